@@ -1,0 +1,342 @@
+"""The front door: ``optimize`` (capture, profile, solve, rewrite, verify) and ``apply``.
+
+Data flows one way through one module per stage::
+
+    trace -> profile -> problem -> solve -> plan -> rewrite -> measure
+
+``optimize`` verifies its own answer: after rewriting it measures one real step (the same
+allocator-level truth the tests use) and, should the measured peak exceed the budget, it
+tightens the solver's budget by the overshoot and solves again. A plan is returned only
+when both the prediction and the measurement fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError
+from autockpt.measure import Measurement, measure
+from autockpt.plan import MemoryBreakdown, Plan, Segment
+from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
+from autockpt.profile import LossFn, Profile, profile
+from autockpt.rewrite import SegmentSpec, rewrite
+from autockpt.solve import minimum_peak, no_checkpoint_peak, solve_chain
+from autockpt.trace import Capture, Inputs, capture, given_input_names
+from solvers import Solution, simulate
+
+SCOPES = ("total", "activations")
+_VERIFY_ROUNDS = 4
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    budget_gb: float,
+    solver: str = "auto",
+    scope: str = "total",
+    loss_fn: LossFn | None = None,
+    time_limit_s: float = 30.0,
+    leaf_modules: Iterable[str] = (),
+    verify: bool = True,
+    max_stages: int = DEFAULT_MAX_STAGES,
+) -> nn.Module:
+    """Return ``model`` rewritten to checkpoint activations so that one training step's
+    peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
+
+    ``example_inputs`` is a Tensor, a tuple of positional arguments or a dict of keyword
+    arguments, shaped like a real batch. ``scope="total"`` budgets everything the step
+    allocates (parameters, buffers, inputs, gradients, activations, workspaces);
+    ``scope="activations"`` budgets only what lies above parameters, buffers, inputs and
+    gradients. ``loss_fn`` maps the output to the scalar that is differentiated while
+    profiling (default: the output's ``loss``, else the sum of its floating tensors).
+
+    The result shares the original's parameters and buffers, has the same ``state_dict()``
+    keys and trains like it; ``result.plan`` is the :class:`Plan`. Raises
+    :class:`InfeasibleBudgetError` when no plan fits (its ``minimum_gb`` does fit).
+    """
+    planner = Planner(
+        model, example_inputs, scope=scope, loss_fn=loss_fn, leaf_modules=leaf_modules,
+        calibrate=verify, max_stages=max_stages,
+    )
+    return planner.optimize(budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify)
+
+
+class Planner:
+    """Capture, profile and calibrate a model once; then plan it for any number of budgets.
+
+    ``optimize`` is ``Planner(...).optimize(budget_gb=...)``; keep a planner to sweep
+    budgets (a frontier, a benchmark) without profiling again. The predicted range is
+    ``minimum_peak_bytes`` (the leanest plan) to ``no_checkpoint_peak_bytes``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Any,
+        *,
+        scope: str = "total",
+        loss_fn: LossFn | None = None,
+        leaf_modules: Iterable[str] = (),
+        calibrate: bool = True,
+        max_stages: int = DEFAULT_MAX_STAGES,
+    ) -> None:
+        _check_model(model)
+        if scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        self.model = model
+        self.inputs = Inputs.of(example_inputs)
+        self.scope = scope
+        self.loss_fn = loss_fn
+        self.capture = capture(model, self.inputs, leaf_modules=leaf_modules)
+        self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
+        chain = build_chain(
+            self.capture, self.profile, max_stages=max_stages,
+            static_bytes=0 if scope == "activations" else None,
+        )
+        if scope == "activations":
+            zeros = tuple(0 for _ in chain.problem.param_grad_bytes)
+            chain = dataclasses.replace(
+                chain, problem=dataclasses.replace(chain.problem, param_grad_bytes=zeros)
+            )
+        self.eager = measure(model, self.inputs, loss_fn=loss_fn, repeat=3) if calibrate else None
+        self.calibration = 0
+        if self.eager is not None:
+            self.calibration = max(0, self._used(self.eager) - no_checkpoint_peak(chain))
+        problem = dataclasses.replace(
+            chain.problem, static_bytes=chain.problem.static_bytes + self.calibration
+        )
+        self.chain = dataclasses.replace(chain, problem=problem)
+        self.no_checkpoint_peak_bytes = no_checkpoint_peak(self.chain)
+        self.minimum_peak_bytes = minimum_peak(self.chain.problem)
+        self.breakdown = _breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
+
+    def optimize(
+        self,
+        *,
+        budget_gb: float,
+        solver: str = "auto",
+        time_limit_s: float = 30.0,
+        verify: bool = True,
+    ) -> nn.Module:
+        """Solve for ``budget_gb``, rewrite, and (``verify``) check one measured step."""
+        if not budget_gb > 0:
+            raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
+        budget_bytes = int(budget_gb * GIB)
+        problem = self.chain.problem
+        solver_budget = budget_bytes
+        checked: Measurement | None = None
+        for _ in range(_VERIFY_ROUNDS):
+            solution = solve_chain(
+                problem.with_budget(solver_budget), method=solver, time_limit_s=time_limit_s,
+                breakdown=self.breakdown, scope=self.scope,
+            )
+            specs = _segment_specs(self.chain, self.profile, self.capture, solution)
+            result = rewrite(self.model, self.capture, specs)
+            if not verify:
+                break
+            checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
+            overshoot = self._used(checked) - budget_bytes
+            if overshoot <= 0:
+                break
+            solver_budget -= overshoot
+        if checked is not None and self._used(checked) > budget_bytes:
+            excess = self._used(checked) - simulate(problem, solution.segments).peak_bytes
+            raise InfeasibleBudgetError(
+                budget_bytes, max(self.minimum_peak_bytes + excess, budget_bytes + 1),
+                self.breakdown, self.scope,
+                "The leanest plans the model predicts to fit measured above the budget; "
+                "raise the budget to the minimum stated.",
+            )
+        result.plan = _make_plan(
+            self.model, self.capture, self.inputs, self.profile, self.chain,
+            solution,
+            budget_bytes, self.scope, self.calibration, checked, self.eager,
+        )
+        return result
+
+    def _used(self, measurement: Measurement) -> int:
+        if self.scope == "total":
+            return measurement.peak_bytes
+        return measurement.peak_bytes - self.profile.static_bytes - self.profile.param_grad_bytes
+
+
+def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module:
+    """Re-apply a saved plan to ``model`` without profiling or solving.
+
+    The model is captured again and its structural fingerprint must equal the plan's; when
+    ``example_inputs`` are given their shapes must match too. Plans captured with
+    ``torch.export`` need ``example_inputs`` (export traces with real shapes).
+    """
+    _check_model(model)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an autockpt.Plan, got {type(plan).__name__}")
+    inputs = Inputs.of(example_inputs) if example_inputs is not None else None
+    if plan.capture_method == "export" and inputs is None:
+        raise PlanMismatchError(
+            "this plan's graph was captured with torch.export, which needs example inputs: "
+            "call autockpt.apply(model, plan, example_inputs)"
+        )
+    method = "export" if plan.capture_method == "export" else "fx"
+    try:
+        captured = capture(
+            model, inputs or Inputs((), {}), leaf_modules=plan.leaf_modules, method=method,
+            input_names=plan.input_names,
+        )
+    except TypeError as error:
+        raise PlanMismatchError(
+            f"plan was made for {plan.model} called with ({', '.join(plan.input_names)}); this "
+            f"{type(model).__name__} cannot be called that way: {error}"
+        ) from error
+    except AutockptError as error:
+        raise PlanMismatchError(
+            f"the plan (for {plan.model}) cannot be applied: this model's graph does not "
+            f"capture the same way ({error})"
+        ) from error
+    fingerprint = captured.fingerprint()
+    if fingerprint != plan.graph_fingerprint:
+        raise PlanMismatchError(
+            f"plan was made for a different graph: plan {plan.graph_fingerprint} for model "
+            f"{plan.model} ({plan.num_nodes} nodes); this model {type(model).__name__} has "
+            f"graph {fingerprint} ({len(captured.compute_nodes())} nodes)"
+        )
+    if inputs is not None and inputs.signature() != plan.input_signature:
+        raise PlanMismatchError(
+            f"plan was made for inputs {plan.input_signature}, got {inputs.signature()}"
+        )
+    index = {node.name: i for i, node in enumerate(captured.compute_nodes())}
+    specs = []
+    for seg in plan.segments:
+        if seg.first_node not in index or seg.last_node not in index:
+            raise PlanMismatchError(
+                f"plan segment {seg.first_node}..{seg.last_node} names nodes this graph lacks"
+            )
+        specs.append(SegmentSpec(index[seg.first_node], index[seg.last_node] + 1,
+                                 seg.preserve_rng, seg.restore_buffers))
+    result = rewrite(model, captured, specs)
+    result.plan = plan
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__.startswith("FSDP"):
+        raise AutockptError(
+            f"model is already wrapped ({type(model).__name__}); call autockpt.optimize on the "
+            "plain module first, then wrap the result with DDP / fully_shard"
+        )
+
+
+def _breakdown(prof: Profile, chain: Chain, scope: str, least: int) -> dict[str, int]:
+    parts = {
+        "parameters": prof.param_bytes,
+        "gradients": prof.param_grad_bytes,
+        "buffers": prof.buffer_bytes,
+        "inputs": prof.input_bytes,
+        "activations without checkpointing": sum(chain.problem.saved_bytes),
+        "leanest plan's peak": least,
+    }
+    if scope == "activations":
+        parts = {k: v for k, v in parts.items() if k.startswith(("activations", "leanest"))}
+    return parts
+
+
+def _segment_specs(chain: Chain, prof: Profile, captured: Capture, solution: Solution) -> list[SegmentSpec]:
+    mutated = set(prof.mutated_buffers)
+    nodes = captured.compute_nodes()
+    specs = []
+    for start, end in solution.segments:
+        first, stop = chain.node_range(start, end)
+        random = any(prof.nodes[i].random for i in range(first, stop))
+        specs.append(SegmentSpec(first, stop, random, _buffers_used(nodes[first:stop], mutated)))
+    return specs
+
+
+def _buffers_used(nodes: Sequence[torch.fx.Node], mutated: set[str]) -> tuple[str, ...]:
+    """Mutated buffers that a segment's nodes touch (via a module call or an attribute)."""
+    used: set[str] = set()
+    for node in nodes:
+        if node.op == "call_module":
+            prefix = f"{node.target}."
+            used |= {name for name in mutated if name.startswith(prefix)}
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and arg.target in mutated:
+                used.add(arg.target)
+    return tuple(sorted(used))
+
+
+def _make_plan(
+    model: nn.Module, captured: Capture, inputs: Inputs, prof: Profile, chain: Chain,
+    solution: Solution, budget_bytes: int, scope: str, calibration: int,
+    checked: Measurement | None, eager: Measurement | None,
+) -> Plan:
+    problem = chain.problem
+    names = chain.node_names
+    simulation = simulate(problem, solution.segments)
+    specs = _segment_specs(chain, prof, captured, solution)
+    segments = []
+    for (start, end), spec in zip(solution.segments, specs):
+        saved = sum(problem.saved_bytes[start:end])
+        segments.append(Segment(
+            start_stage=start,
+            end_stage=end,
+            first_node=names[spec.first],
+            last_node=names[spec.end - 1],
+            recompute_seconds=sum(problem.forward_seconds[start:end]),
+            bytes_freed=saved - problem.input_bytes[start],
+            preserve_rng=spec.preserve_rng,
+            restore_buffers=spec.restore_buffers,
+        ))
+    in_segment = {k for start, end in solution.segments for k in range(start, end)}
+    kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
+    kept += sum(problem.input_bytes[start] for start, _ in solution.segments)
+    step = (eager.step_seconds if eager is not None else prof.step_seconds)
+    step_with = step + simulation.recompute_seconds
+    notes = list(captured.warnings)
+    if calibration:
+        notes.append(f"calibrated: +{calibration} bytes the graph profile does not see")
+    return Plan(
+        model=type(model).__name__,
+        graph_fingerprint=captured.fingerprint(),
+        input_signature=inputs.signature(),
+        input_names=given_input_names(model, inputs),
+        capture_method=captured.method,
+        leaf_modules=captured.leaf_modules,
+        num_nodes=len(names),
+        stages=tuple((names[a], names[b - 1]) for a, b in chain.stages),
+        budget_bytes=budget_bytes,
+        scope=scope,
+        solver=solution.method,
+        solver_status=solution.status,
+        solve_seconds=solution.solve_seconds,
+        solver_gap=solution.gap,
+        segments=tuple(segments),
+        predicted_peak_bytes=simulation.peak_bytes,
+        no_checkpoint_peak_bytes=simulate(problem, []).peak_bytes,
+        minimum_peak_bytes=minimum_peak(problem),
+        predicted_recompute_seconds=simulation.recompute_seconds,
+        predicted_step_seconds=step_with,
+        recompute_fraction=simulation.recompute_seconds / step_with if step_with > 0 else 0.0,
+        memory=MemoryBreakdown(
+            parameters=prof.param_bytes,
+            gradients=prof.param_grad_bytes,
+            buffers=prof.buffer_bytes,
+            inputs=prof.input_bytes,
+            kept_activations=kept,
+            no_checkpoint_activations=sum(problem.saved_bytes),
+        ),
+        calibration_bytes=calibration,
+        measured_peak_bytes=checked.peak_bytes if checked is not None else None,
+        measured_step_seconds=checked.step_seconds if checked is not None else None,
+        device=prof.device,
+        notes=tuple(notes),
+    )

@@ -1,0 +1,74 @@
+"""Typed errors: every failure a user can cause says what went wrong and what to do next."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+
+class AutockptError(Exception):
+    """Base class of every error autockpt raises on purpose."""
+
+
+class InfeasibleBudgetError(AutockptError):
+    """The budget is below what even the leanest checkpoint plan needs.
+
+    ``minimum_gb`` is the least budget (GiB) that a plan reaches; asking for it succeeds.
+    ``breakdown`` maps the static parts (parameters, gradients, inputs, buffers) to bytes so
+    the message can say where the memory goes.
+    """
+
+    def __init__(self, budget_bytes: int, minimum_bytes: int, breakdown: dict[str, int],
+                 scope: str = "total", hint: str | None = None) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.minimum_bytes = int(minimum_bytes)
+        self.minimum_gb = minimum_bytes / GIB
+        self.breakdown = dict(breakdown)
+        self.scope = scope
+        parts = ", ".join(f"{name} {_fmt(nbytes)}" for name, nbytes in self.breakdown.items())
+        advice = hint or (
+            "Raise the budget to at least the minimum, or shrink what checkpointing cannot "
+            "touch: a smaller batch or sequence, lower-precision parameters, or sharding "
+            "parameters and gradients across devices (FSDP)."
+        )
+        super().__init__(
+            f"budget {_fmt(budget_bytes)} (scope={scope}) is below the minimum feasible "
+            f"{self.minimum_gb:.4f} GiB ({minimum_bytes} bytes) that the leanest checkpoint "
+            f"plan needs. Breakdown: {parts}. {advice}"
+        )
+
+
+class TraceError(AutockptError):
+    """The model's forward could not be captured as a graph by any capture path.
+
+    ``module`` is the qualified name of the innermost module that failed ("" for the root),
+    ``location`` the ``file:line`` of the offending source line.
+    """
+
+    def __init__(self, module: str, location: str, source_line: str, reason: str) -> None:
+        self.module = module
+        self.location = location
+        self.source_line = source_line
+        self.reason = reason
+        where = f"module '{module}'" if module else "the root module"
+        super().__init__(
+            f"cannot capture {where} at {location}: `{source_line}` ({reason}). "
+            "Make the code shape-static (no Python branching on tensor values), or pass "
+            "leaf_modules=[...] naming the submodule so it is run as one opaque call."
+        )
+
+
+class PlanMismatchError(AutockptError):
+    """A saved plan does not belong to this model, these inputs or this library version."""
+
+
+class PlanFormatError(AutockptError):
+    """A plan file is not valid plan JSON (corrupt, truncated or missing fields)."""
+
+
+def _fmt(nbytes: int) -> str:
+    if abs(nbytes) >= GIB:
+        return f"{nbytes / GIB:.3f} GiB"
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+format_bytes = _fmt

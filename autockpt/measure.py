@@ -1,0 +1,148 @@
+"""Stage 7 — measure: the truth about one training step's peak memory and time.
+
+Peak memory follows the budget's definition: every byte of tensor memory alive during one
+forward + backward step that belongs to the model's step — parameters, buffers, inputs,
+parameter gradients, saved and recomputed activations, transient workspaces.
+
+* CUDA: ``torch.cuda.reset_peak_memory_stats`` + ``max_memory_allocated``, minus whatever
+  unrelated tensors were already allocated on the device before the step.
+* CPU: the PyTorch profiler's allocator events (``profile_memory=True``). Every allocation
+  and free through the CPU allocator is an event; the running sum of their sizes over the
+  step, plus the static tensors alive when it starts, is the allocator-level peak. This sees
+  kernel workspaces and autograd's own buffers, which a model of the graph cannot.
+
+Step time is the median of ``repeat`` un-instrumented steps. The model's state (buffers,
+``.grad``, RNG) is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from autockpt.profile import LossFn, default_loss, preserved_training_state  # noqa: E402
+from autockpt.trace import Inputs  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Measured peak memory (bytes) and median step time (seconds) of one training step."""
+
+    peak_bytes: int
+    static_bytes: int
+    step_seconds: float
+    device: str
+    repeat: int
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        """What lies above the static part (scope="activations")."""
+        return self.peak_bytes - self.static_bytes
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_bytes / 2**30
+
+
+def measure(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    repeat: int = 5,
+    warmup: int = 1,
+) -> Measurement:
+    """Measure peak memory and step time of ``loss_fn(model(*inputs)).backward()``."""
+    inputs = Inputs.of(example_inputs)
+    loss_fn = loss_fn or default_loss
+    device = _device(model, inputs)
+    static = static_bytes(model, inputs)
+    with preserved_training_state(model):
+        _clear_grads(model)
+        for _ in range(max(0, warmup)):
+            _step(model, inputs, loss_fn)
+            _clear_grads(model)
+        if device.type == "cuda":
+            peak = _cuda_peak(model, inputs, loss_fn, device, static)
+        else:
+            peak = _cpu_peak(model, inputs, loss_fn, static)
+        _clear_grads(model)
+        times = []
+        for _ in range(max(1, repeat)):
+            start = _now(device)
+            _step(model, inputs, loss_fn)
+            times.append(_now(device) - start)
+            _clear_grads(model)
+    return Measurement(peak, static, statistics.median(times), str(device), max(1, repeat))
+
+
+def static_bytes(model: nn.Module, inputs: Inputs) -> int:
+    """Bytes of the distinct storages of parameters, buffers and input tensors."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    tensors = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn) -> None:
+    loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+    loss.backward()
+
+
+def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(model, inputs, loss_fn)
+    events = [
+        e for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    events.sort(key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        current += event.nbytes()
+        peak = max(peak, current)
+    return static + peak
+
+
+def _cuda_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, device: torch.device, static: int) -> int:
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _step(model, inputs, loss_fn)
+    torch.cuda.synchronize(device)
+    unrelated = before - static
+    return torch.cuda.max_memory_allocated(device) - unrelated
+
+
+def _clear_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _device(model: nn.Module, inputs: Inputs) -> torch.device:
+    for t in list(model.parameters()) + inputs.tensors():
+        return t.device
+    return torch.device("cpu")
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,239 @@
+"""Stage 5 — plan: what was decided, why, and what it is predicted to cost, as exact JSON.
+
+A :class:`Plan` is self-describing: it names the graph it was made for (a structural
+fingerprint plus the input signature), the library and torch versions, the budget and its
+scope, the solver's verdict and every checkpointed segment by its first and last fx node
+names. ``Plan.from_json(plan.to_json()) == plan`` holds exactly (floats are written with
+``repr`` precision).
+
+Compatibility rule: a plan is readable when its ``schema_version`` equals
+:data:`SCHEMA_VERSION`; a different schema raises :class:`PlanMismatchError` saying both
+versions. The torch version is informational: the graph fingerprint decides whether a plan
+fits a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from autockpt.errors import GIB, PlanFormatError, PlanMismatchError, format_bytes
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A checkpointed run of stages ``[start_stage, end_stage)``; ``first_node`` and
+    ``last_node`` name its first and last fx nodes."""
+
+    start_stage: int
+    end_stage: int
+    first_node: str
+    last_node: str
+    recompute_seconds: float
+    bytes_freed: int
+    preserve_rng: bool
+    restore_buffers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Where the predicted peak goes, in bytes."""
+
+    parameters: int
+    gradients: int
+    buffers: int
+    inputs: int
+    kept_activations: int
+    no_checkpoint_activations: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checkpoint plan: segments plus predictions plus provenance."""
+
+    model: str
+    graph_fingerprint: str
+    input_signature: str
+    input_names: tuple[str, ...]
+    capture_method: str
+    leaf_modules: tuple[str, ...]
+    num_nodes: int
+    stages: tuple[tuple[str, str], ...]
+    budget_bytes: int
+    scope: str
+    solver: str
+    solver_status: str
+    solve_seconds: float
+    solver_gap: float | None
+    segments: tuple[Segment, ...]
+    predicted_peak_bytes: int
+    no_checkpoint_peak_bytes: int
+    minimum_peak_bytes: int
+    predicted_recompute_seconds: float
+    predicted_step_seconds: float
+    recompute_fraction: float
+    memory: MemoryBreakdown
+    calibration_bytes: int = 0
+    measured_peak_bytes: int | None = None
+    measured_step_seconds: float | None = None
+    times_estimated: bool = False
+    device: str = "cpu"
+    notes: tuple[str, ...] = ()
+    autockpt_version: str = field(default_factory=lambda: _library_version())
+    torch_version: str = field(default_factory=lambda: _torch_version())
+    schema_version: int = SCHEMA_VERSION
+
+    # -- JSON -----------------------------------------------------------------------------
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """Serialise to JSON text; ``Plan.from_json`` restores an equal plan."""
+        return json.dumps(dataclasses.asdict(self), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Parse plan JSON, validating every field. Corrupt text raises
+        :class:`PlanFormatError`; another schema version :class:`PlanMismatchError`."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as error:
+            raise PlanFormatError(f"plan is not valid JSON: {error}") from error
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanFormatError("plan JSON must be an object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise PlanMismatchError(
+                f"plan has schema_version {version!r} (written by autockpt "
+                f"{data.get('autockpt_version', '?')}); this autockpt {_library_version()} reads "
+                f"schema_version {SCHEMA_VERSION}. Re-create the plan with `autockpt plan`."
+            )
+        try:
+            return _build(cls, data)
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanFormatError(f"plan JSON is malformed: {error}") from error
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(self.to_json())
+            handle.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+        except UnicodeDecodeError as error:
+            raise PlanFormatError(f"{path} is not a text plan file: {error}") from error
+        return cls.from_json(text)
+
+    # -- reading --------------------------------------------------------------------------
+
+    @property
+    def budget_gb(self) -> float:
+        return self.budget_bytes / GIB
+
+    @property
+    def predicted_peak_gb(self) -> float:
+        return self.predicted_peak_bytes / GIB
+
+    def summary(self) -> str:
+        """A few human lines: budget, prediction, segments."""
+        lines = [
+            f"plan for {self.model} ({self.num_nodes} nodes in {len(self.stages)} stages, "
+            f"captured with {self.capture_method})",
+            f"budget {format_bytes(self.budget_bytes)} (scope={self.scope}); predicted peak "
+            f"{format_bytes(self.predicted_peak_bytes)}; without checkpointing "
+            f"{format_bytes(self.no_checkpoint_peak_bytes)}; leanest plan "
+            f"{format_bytes(self.minimum_peak_bytes)}",
+            f"solver {self.solver}: {self.solver_status} in {self.solve_seconds:.3f} s; "
+            f"{len(self.segments)} segment(s); recompute {self.predicted_recompute_seconds * 1e3:.2f} ms "
+            f"({100 * self.recompute_fraction:.1f}% of a step)",
+        ]
+        if self.measured_peak_bytes is not None:
+            lines.append(f"measured peak {format_bytes(self.measured_peak_bytes)}")
+        for seg in self.segments:
+            lines.append(
+                f"  checkpoint stages [{seg.start_stage}, {seg.end_stage}): {seg.first_node} .. "
+                f"{seg.last_node}  frees {format_bytes(seg.bytes_freed)}, recompute "
+                f"{seg.recompute_seconds * 1e3:.2f} ms"
+            )
+        return "\n".join(lines)
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    """Rebuild a dataclass from JSON data, checking field names and restoring tuples."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} in {cls.__name__}")
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise KeyError(f"{cls.__name__}.{f.name} is missing")
+            continue
+        kwargs[f.name] = _convert(f.name, f.type, data[f.name])
+    return cls(**kwargs)
+
+
+def _convert(name: str, annotation: Any, value: Any) -> Any:
+    kind = str(annotation)
+    if name == "segments":
+        return tuple(_build(Segment, item) for item in _list(name, value))
+    if name == "memory":
+        return _build(MemoryBreakdown, value)
+    if name == "stages":
+        return tuple((str(a), str(b)) for a, b in _list(name, value))
+    if kind.startswith("tuple[str"):
+        return tuple(str(item) for item in _list(name, value))
+    if kind.startswith("int"):
+        return _int(name, value, optional="None" in kind)
+    if kind.startswith("float"):
+        if value is None and "None" in kind:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be true or false, got {value!r}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _int(name: str, value: Any, optional: bool) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _list(name: str, value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _library_version() -> str:
+    from autockpt import __version__
+
+    return __version__
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__

@@ -1,0 +1,185 @@
+"""Stage 3 — problem: linearise the profiled graph into a chain of stages for the solvers.
+
+A *cut* between two consecutive compute nodes is where a checkpoint segment may begin or
+end. Everything produced before the cut and used after it crosses the cut; a segment that
+begins there keeps exactly those bytes (its inputs) instead of what its nodes save. Cuts
+are chosen where few bytes cross (several tensors may cross), and a cut is never placed
+across a tensor that a later node mutates in place, because a recompute would then read the
+mutated value.
+
+The result, :class:`Chain`, pairs node ranges with a :class:`solvers.ChainProblem` of plain
+numbers: the solvers never see torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from autockpt.profile import Profile
+from autockpt.trace import Capture
+from solvers import ChainProblem
+
+DEFAULT_MAX_STAGES = 160
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Stages as half-open ranges of compute-node indices, and the numbers the solver uses.
+
+    ``problem.budget_bytes`` is a placeholder (the no-checkpoint need) until
+    :meth:`ChainProblem.with_budget` sets the real one.
+    """
+
+    stages: tuple[tuple[int, int], ...]
+    node_names: tuple[str, ...]
+    problem: ChainProblem
+    boundary_storages: tuple[frozenset[int], ...]
+    tail_bytes: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def node_range(self, start_stage: int, end_stage: int) -> tuple[int, int]:
+        """Compute-node index range covered by stages ``[start_stage, end_stage)``."""
+        return self.stages[start_stage][0], self.stages[end_stage - 1][1]
+
+
+def build_chain(
+    capture: Capture,
+    profile: Profile,
+    *,
+    max_stages: int = DEFAULT_MAX_STAGES,
+    static_bytes: int | None = None,
+    segment_overhead_seconds: float = 0.0,
+) -> Chain:
+    """Choose cuts and fold per-node costs into per-stage numbers.
+
+    ``static_bytes`` overrides the static part (e.g. 0 for ``scope="activations"``).
+    """
+    nodes = capture.compute_nodes()
+    n = len(nodes)
+    if n == 0:
+        raise ValueError("the captured graph has no compute nodes; nothing to checkpoint")
+    if len(profile.nodes) != n:
+        raise ValueError("profile and capture disagree on the number of nodes")
+    index_of = {node: i for i, node in enumerate(nodes)}
+    last_use = _last_uses(nodes, index_of, n)
+    crossing = _crossing_storages(profile, last_use, n)
+    valid = _valid_cuts(profile, n)
+    cuts = _choose_cuts(valid, crossing, profile.storage_bytes, max_stages)
+    bounds = [0, *cuts, n]
+    stages = tuple((bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1))
+    size = profile.storage_bytes
+
+    def nbytes(storages: set[int] | frozenset[int]) -> int:
+        return sum(size[s] for s in storages)
+
+    boundary = tuple(frozenset(crossing[start]) if start > 0 else frozenset() for start, _ in stages)
+    saved, inputs, fwd, bwd, grads, transient = [], [], [], [], [], []
+    for k, (start, end) in enumerate(stages):
+        stage_saved = {s for i in range(start, end) for s in profile.nodes[i].saved}
+        out_boundary = crossing[end] if end < n else set()
+        saved.append(nbytes(stage_saved))
+        inputs.append(nbytes(boundary[k]))
+        fwd.append(sum(profile.nodes[i].forward_seconds for i in range(start, end)))
+        bwd.append(sum(profile.nodes[i].backward_seconds for i in range(start, end)))
+        grads.append(sum(profile.nodes[i].param_grad_bytes for i in range(start, end)))
+        transient.append(
+            _stage_transient(profile, last_use, start, end, stage_saved, boundary[k] | out_boundary)
+        )
+    tail = 2 * profile.output_bytes
+    static = profile.static_bytes if static_bytes is None else static_bytes
+    problem = ChainProblem(
+        saved_bytes=saved,
+        input_bytes=inputs,
+        forward_seconds=fwd,
+        budget_bytes=static + tail + sum(saved) + sum(grads) + max(transient) + max(inputs),
+        backward_seconds=bwd,
+        static_bytes=static + tail,
+        param_grad_bytes=grads,
+        transient_bytes=transient,
+        segment_overhead_seconds=segment_overhead_seconds,
+    )
+    return Chain(stages, tuple(node.name for node in nodes), problem, boundary, tail)
+
+
+def _last_uses(nodes: list[fx.Node], index_of: dict[fx.Node, int], n: int) -> list[int]:
+    """Index of the last compute node using each node's value (``n`` for the graph output)."""
+    last = []
+    for i, node in enumerate(nodes):
+        uses = [index_of.get(user, n) for user in node.users]
+        last.append(max(uses, default=i))
+    return last
+
+
+def _crossing_storages(profile: Profile, last_use: list[int], n: int) -> list[set[int]]:
+    """For every cut position p (between node p-1 and p), the storages produced before p
+    and still used at or after p. Computed in one sweep: O(n + total outputs)."""
+    crossing: list[set[int]] = [set() for _ in range(n + 1)]
+    live: dict[int, int] = {}  # storage -> last position it is needed at
+    for p in range(1, n + 1):
+        i = p - 1
+        for s in profile.nodes[i].outputs:
+            live[s] = max(live.get(s, -1), last_use[i])
+        crossing[p] = {s for s, until in live.items() if until >= p}
+        live = {s: until for s, until in live.items() if until >= p}
+    return crossing
+
+
+def _valid_cuts(profile: Profile, n: int) -> list[int]:
+    """Cut positions that no later in-place mutation crosses."""
+    produced_at: dict[int, int] = {}
+    for i, node in enumerate(profile.nodes):
+        for s in node.outputs:
+            produced_at.setdefault(s, i)
+    # A mutation at node j of a storage produced at node i forbids every cut in (i, j].
+    forbidden = [False] * (n + 1)
+    for j, node in enumerate(profile.nodes):
+        for s in node.mutates:
+            i = produced_at.get(s)
+            if i is None:
+                continue
+            for p in range(i + 1, j + 1):
+                forbidden[p] = True
+    return [p for p in range(1, n) if not forbidden[p]]
+
+
+def _choose_cuts(valid: list[int], crossing: list[set[int]], size: tuple[int, ...], max_stages: int) -> list[int]:
+    """Keep the ``max_stages - 1`` cheapest valid cuts (fewest crossing bytes), ties broken
+    towards evenly spread positions; the solver decides which of them to use."""
+    if len(valid) <= max_stages - 1:
+        return valid
+    cost = {p: sum(size[s] for s in crossing[p]) for p in valid}
+    ranked = sorted(valid, key=lambda p: (cost[p], p))
+    return sorted(ranked[: max_stages - 1])
+
+
+def _stage_transient(
+    profile: Profile, last_use: list[int], start: int, end: int,
+    stage_saved: set[int], boundaries: frozenset[int] | set[int],
+) -> int:
+    """Bytes a stage needs beyond its saved tensors and boundaries while it runs.
+
+    Forward: intermediates produced inside the stage that are neither saved nor boundary
+    tensors but still needed (a Linear's output before the activation that consumes it).
+    Backward: a node's output gradient and its input gradients exist together, roughly its
+    output bytes plus its tensor-input bytes. The larger of the two is the estimate; the
+    measured calibration absorbs what it misses.
+    """
+    size = profile.storage_bytes
+    excluded = set(stage_saved) | set(boundaries)
+    live: dict[int, int] = {}
+    peak = 0
+    for i in range(start, end):
+        node = profile.nodes[i]
+        for s in node.outputs:
+            if s not in excluded:
+                live[s] = max(live.get(s, -1), last_use[i])
+        live = {s: until for s, until in live.items() if until >= i}
+        forward = sum(size[s] for s in live)
+        out_bytes = sum(size[s] for s in node.outputs)
+        peak = max(peak, forward, 2 * out_bytes)
+    return peak

@@ -1,0 +1,443 @@
+"""Stage 2 — profile: run the captured graph node by node and record what each node costs.
+
+Per compute node the profile records
+
+* the storages autograd *saves* for backward (``saved_tensors_hooks``), de-duplicated by
+  storage, with parameters, buffers and the model's inputs excluded: these are what
+  checkpointing can free, and they are not the same as output sizes (a ReLU that saves its
+  output and the next Linear that saves the same tensor as its input share one storage);
+* the storages of its outputs and the storages it mutates in place (version counters), so
+  that the chain builder never cuts across a tensor that is mutated later;
+* forward seconds (median over ``repeat`` timed runs), backward seconds (time from the
+  node's gradient arriving to the next node's, read from autograd pre-hooks), FLOPs
+  (``torch.utils.flop_counter``) and whether it consumes random numbers (RNG state changes);
+* the parameter-gradient bytes that appear when backward reaches the node.
+
+Model buffers that the forward changes (batch-norm running statistics, counters) are found
+by comparing values before and after one forward: kernels update running statistics without
+bumping version counters, so values are the only reliable witness. The model's state
+(buffers, ``.grad``, RNG) is restored afterwards: profiling leaves no trace in training.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from autockpt.trace import Capture, Inputs
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """What one compute node of the graph costs. Storages are indices into
+    :attr:`Profile.storage_bytes`."""
+
+    name: str
+    op: str
+    saved: tuple[int, ...]
+    outputs: tuple[int, ...]
+    mutates: tuple[int, ...]
+    forward_seconds: float
+    backward_seconds: float
+    flops: int
+    random: bool
+    param_grad_bytes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-node costs plus the static memory of one training step of the captured graph."""
+
+    nodes: tuple[NodeProfile, ...]
+    storage_bytes: tuple[int, ...]
+    param_bytes: int
+    param_grad_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    output_bytes: int
+    mutated_buffers: tuple[str, ...]
+    device: str
+    step_seconds: float
+
+    @property
+    def static_bytes(self) -> int:
+        """Memory that exists for the whole step whatever the plan: parameters, buffers and
+        inputs (gradients are added as backward reaches their parameters)."""
+        return self.param_bytes + self.buffer_bytes + self.input_bytes
+
+    def saved_bytes(self) -> int:
+        unique = {s for node in self.nodes for s in node.saved}
+        return sum(self.storage_bytes[s] for s in unique)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The scalar to differentiate when the user gives no ``loss_fn``: the output's ``loss``
+    field when it has one (Hugging Face style), else the sum over its floating tensors."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [
+        t for t in pytree.tree_leaves(_as_pytree(output))
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not tensors:
+        raise ValueError(
+            "the model's output has no floating tensor that requires grad; pass loss_fn= "
+            "mapping the output to a scalar loss"
+        )
+    return sum(t.float().sum() for t in tensors)
+
+
+def _as_pytree(output: Any) -> Any:
+    if hasattr(output, "to_tuple") and callable(output.to_tuple):
+        return output.to_tuple()
+    import dataclasses
+
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [getattr(output, f.name) for f in dataclasses.fields(output)]
+    return output
+
+
+def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> list[Any]:
+    """The flat list of values for the graph's placeholders, in graph order."""
+    placeholders = [n for n in capture.graph.nodes if n.op == "placeholder"]
+    spec = capture.extra_attributes.get("_in_spec")
+    if spec is not None:
+        from torch.fx._pytree import tree_flatten_spec
+
+        return list(tree_flatten_spec((list(inputs.args), inputs.kwargs), spec))
+    import inspect
+
+    bound = inspect.signature(model.forward).bind(*inputs.args, **inputs.kwargs)
+    values = []
+    for node in placeholders:
+        name = str(node.target)
+        if name in bound.arguments:
+            values.append(bound.arguments[name])
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise TypeError(f"no value for the graph input '{name}'")
+    return values
+
+
+def run_graph(capture: Capture, model: nn.Module, inputs: Inputs, interpreter: fx.Interpreter | None = None) -> Any:
+    """Run the captured graph on the original module tree and return the user-facing output."""
+    interp = interpreter or fx.Interpreter(model, graph=capture.graph)
+    flat = interp.run(*placeholder_values(capture, model, inputs))
+    return capture.graph._codegen.process_outputs(flat)
+
+
+def profile(
+    model: nn.Module,
+    capture: Capture,
+    inputs: Inputs,
+    *,
+    loss_fn: LossFn | None = None,
+    repeat: int = 3,
+) -> Profile:
+    """Profile one training step of ``capture``'s graph, node by node, on real inputs."""
+    loss_fn = loss_fn or default_loss
+    nodes = capture.compute_nodes()
+    index_of = {node: i for i, node in enumerate(nodes)}
+    device = _device_of(model, inputs)
+    static_keys, param_bytes, buffer_bytes, input_bytes = _static_storages(model, inputs)
+    grad_bytes_by_node, param_grad_bytes = _param_grad_attribution(model, capture, index_of)
+
+    with preserved_training_state(model):
+        buffers_before = {name: b.detach().clone() for name, b in model.named_buffers()}
+        recorder = _Recorder(model, capture, index_of, static_keys, record=True)
+        output = run_graph(capture, model, inputs, recorder)
+        mutated = tuple(
+            name for name, b in model.named_buffers()
+            if not _same(b, buffers_before[name])
+        )
+        del buffers_before
+        _backward(loss_fn(output), None)
+        del output
+        structure = recorder
+        _clear_grads(model)
+
+        fwd_times: list[list[float]] = [[] for _ in nodes]
+        bwd_times: list[list[float]] = [[] for _ in nodes]
+        step_times: list[float] = []
+        for _ in range(max(1, repeat)):
+            timer = _Recorder(model, capture, index_of, static_keys, record=False)
+            start = _now(device)
+            output = run_graph(capture, model, inputs, timer)
+            loss = loss_fn(output)
+            stamps = timer.backward_stamps()
+            _backward(loss, None)
+            end = _now(device)
+            del output, loss
+            step_times.append(end - start)
+            for i, seconds in enumerate(timer.forward_seconds):
+                fwd_times[i].append(seconds)
+            for i, seconds in _backward_durations(stamps, end).items():
+                bwd_times[i].append(seconds)
+            _clear_grads(model)
+
+    profiles = tuple(
+        NodeProfile(
+            name=node.name,
+            op=node.op,
+            saved=tuple(structure.saved[i]),
+            outputs=tuple(structure.outputs[i]),
+            mutates=tuple(structure.mutates[i]),
+            forward_seconds=statistics.median(fwd_times[i]) if fwd_times[i] else 0.0,
+            backward_seconds=statistics.median(bwd_times[i]) if bwd_times[i] else 0.0,
+            flops=structure.flops[i],
+            random=structure.random[i],
+            param_grad_bytes=grad_bytes_by_node.get(i, 0),
+        )
+        for i, node in enumerate(nodes)
+    )
+    return Profile(
+        nodes=profiles,
+        storage_bytes=tuple(structure.storage_bytes),
+        param_bytes=param_bytes,
+        param_grad_bytes=param_grad_bytes,
+        buffer_bytes=buffer_bytes,
+        input_bytes=input_bytes,
+        output_bytes=structure.final_output_bytes,
+        mutated_buffers=mutated,
+        device=str(device),
+        step_seconds=statistics.median(step_times),
+    )
+
+
+class _Recorder(fx.Interpreter):
+    """An interpreter that records, per node, saved/output/mutated storages (``record``) or
+    forward wall time (timing runs). Values are kept alive for the whole run so that storage
+    addresses are never reused within one profile."""
+
+    def __init__(self, model: nn.Module, capture: Capture, index_of: dict[fx.Node, int],
+                 static_keys: set[tuple[str, int]], record: bool) -> None:
+        super().__init__(model, garbage_collect_values=not record, graph=capture.graph)
+        self.index_of = index_of
+        self.static_keys = static_keys
+        self.record = record
+        n = len(index_of)
+        self.saved: list[list[int]] = [[] for _ in range(n)]
+        self.outputs: list[list[int]] = [[] for _ in range(n)]
+        self.mutates: list[list[int]] = [[] for _ in range(n)]
+        self.flops = [0] * n
+        self.random = [False] * n
+        self.forward_seconds = [0.0] * n
+        self.storage_bytes: list[int] = []
+        self.storage_index: dict[tuple[str, int], int] = {}
+        self.keep_alive: list[Any] = []
+        self.grad_fns: dict[int, Any] = {}
+        self.final_output_bytes = 0
+        self.device: torch.device | None = None
+
+    def _storage_id(self, tensor: torch.Tensor) -> int | None:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0 or tensor.device.type == "meta":
+            return None
+        key = (str(tensor.device), storage.data_ptr())
+        if key in self.static_keys:
+            return None
+        if key not in self.storage_index:
+            self.storage_index[key] = len(self.storage_bytes)
+            self.storage_bytes.append(storage.nbytes())
+            self.keep_alive.append(storage)
+        return self.storage_index[key]
+
+    def run_node(self, n: fx.Node) -> Any:
+        i = self.index_of.get(n)
+        if i is None:
+            result = super().run_node(n)
+            if n.op == "output" and self.record:
+                ids = {self._storage_id(t) for t in _tensors(result)} - {None}
+                self.final_output_bytes = sum(self.storage_bytes[s] for s in ids)
+            return result
+        if not self.record:
+            self.device = self.device or _first_device(n, self.env)
+            start = _now(self.device)
+            result = super().run_node(n)
+            self.forward_seconds[i] = _now(self.device) - start
+            self._remember_grad_fn(i, result)
+            return result
+
+        saved: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            sid = self._storage_id(t)
+            if sid is not None:
+                saved.add(sid)
+            return t
+
+        args = [t for t in _tensors((self._lookup_args(n)))]
+        versions = [(t, t._version) for t in args]
+        rng = torch.get_rng_state()
+        cuda_rng = _cuda_rng_state()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with FlopCounterMode(display=False) as counter:
+                result = super().run_node(n)
+        self.flops[i] = int(counter.get_total_flops())
+        self.random[i] = not torch.equal(rng, torch.get_rng_state()) or cuda_rng != _cuda_rng_state()
+        self.saved[i] = sorted(saved)
+        self.outputs[i] = sorted({self._storage_id(t) for t in _tensors(result)} - {None})
+        self.mutates[i] = sorted(
+            {self._storage_id(t) for t, v in versions if t._version != v} - {None}
+        )
+        return result
+
+    def _lookup_args(self, n: fx.Node) -> Any:
+        return fx.node.map_arg((n.args, n.kwargs), lambda a: self.env.get(a))
+
+    def _remember_grad_fn(self, i: int, result: Any) -> None:
+        for t in _tensors(result):
+            if t.grad_fn is not None:
+                self.grad_fns[i] = t.grad_fn
+                return
+
+    def backward_stamps(self) -> dict[int, list[float]]:
+        """Register pre-hooks that stamp when backward reaches each node's output."""
+        stamps: dict[int, list[float]] = {}
+        for i, grad_fn in self.grad_fns.items():
+            def hook(grad_outputs: Any, i: int = i) -> None:
+                stamps.setdefault(i, []).append(_now(self.device))
+
+            grad_fn.register_prehook(hook)
+        return stamps
+
+
+def _backward_durations(stamps: dict[int, list[float]], end: float) -> dict[int, float]:
+    """Attribute backward time to nodes: from a node's first stamp to the next stamp."""
+    order = sorted((times[0], i) for i, times in stamps.items())
+    durations: dict[int, float] = {}
+    for k, (t, i) in enumerate(order):
+        nxt = order[k + 1][0] if k + 1 < len(order) else end
+        durations[i] = max(0.0, nxt - t)
+    return durations
+
+
+def _backward(loss: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )
+    loss.backward(grad)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(_as_pytree(value)) if isinstance(t, torch.Tensor)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _static_storages(model: nn.Module, inputs: Inputs) -> tuple[set[tuple[str, int]], int, int, int]:
+    """Storages that live for the whole step whatever the plan, and their byte totals."""
+    keys: set[tuple[str, int]] = set()
+
+    def add(t: torch.Tensor) -> int:
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        if key in keys or t.device.type == "meta":
+            keys.add(key)
+            return 0
+        keys.add(key)
+        return t.untyped_storage().nbytes()
+
+    params = sum(add(p) for p in model.parameters())
+    buffers = sum(add(b) for b in model.buffers())
+    inputs_bytes = sum(add(t) for t in inputs.tensors())
+    return keys, params, buffers, inputs_bytes
+
+
+def _param_grad_attribution(
+    model: nn.Module, capture: Capture, index_of: dict[fx.Node, int]
+) -> tuple[dict[int, int], int]:
+    """Bytes of parameter gradients by the node whose backward creates them: the *last*
+    forward user of the parameter (backward meets it first)."""
+    params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
+    by_id = {id(p): p for p in params.values() if p.requires_grad}
+    last_user: dict[int, int] = {}
+
+    def touch(param: nn.Parameter, i: int) -> None:
+        if id(param) in by_id:
+            last_user[id(param)] = max(last_user.get(id(param), -1), i)
+
+    for node in capture.graph.nodes:
+        if node.op == "get_attr" and node.target in params:
+            for user in node.users:
+                if user in index_of:
+                    touch(params[node.target], index_of[user])
+        elif node.op == "call_module":
+            for p in model.get_submodule(node.target).parameters():
+                touch(p, index_of[node])
+    grads: dict[int, int] = {}
+    for pid, i in last_user.items():
+        p = by_id[pid]
+        grads[i] = grads.get(i, 0) + p.numel() * p.element_size()
+    total = sum(p.numel() * p.element_size() for p in by_id.values())
+    return grads, total
+
+
+def _clear_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+@contextmanager
+def preserved_training_state(model: nn.Module) -> Iterator[None]:
+    """Run trial steps without leaving a trace: buffers, parameter ``.grad`` and RNG states
+    are restored on exit, so profiling or measuring never changes how training proceeds."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for name, p in model.named_parameters():
+            p.grad = grads.get(name)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def _cuda_rng_state() -> Any:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return None
+
+
+def _device_of(model: nn.Module, inputs: Inputs) -> torch.device:
+    for t in list(model.parameters()) + inputs.tensors():
+        return t.device
+    return torch.device("cpu")
+
+
+def _first_device(n: fx.Node, env: dict) -> torch.device:
+    for t in _tensors(fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a))):
+        return t.device
+    return torch.device("cpu")
+
+
+def _now(device: torch.device | None) -> float:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

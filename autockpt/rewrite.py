@@ -1,0 +1,233 @@
+"""Stage 6 — rewrite: a new module whose forward calls ``torch.utils.checkpoint`` per segment.
+
+Rules the result keeps (and why):
+
+* It *is* the user's module tree: the result's parameters, buffers and submodules are the
+  original objects, registered under the same names in the same order. ``state_dict()``
+  keys and ``parameters()`` order are unchanged, so optimizers, saved checkpoints and
+  FSDP/DDP wrapping keep working, and ``.to()`` moves the one copy of every tensor.
+* Each checkpointed segment becomes a parameter-free submodule ``_autockpt_segment_<k>``
+  whose code resolves attributes against the live root module at call time (never against
+  copies), called through ``checkpoint(..., use_reentrant=False)``.
+* RNG state is preserved only for segments with random ops (dropout), so recomputed masks
+  equal the forward's and outputs and gradients equal eager's.
+* Buffers that the forward mutates (batch-norm running statistics, counters) are
+  snapshotted before a recompute and restored after it, so they advance once per step.
+* Without autograd (``torch.no_grad()``), segments run plainly: there is nothing to save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autockpt.trace import Capture
+
+SEGMENT_PREFIX = "_autockpt_segment_"
+
+
+@dataclass(frozen=True)
+class SegmentSpec:
+    """A checkpointed run of compute nodes ``[first, end)`` (indices into the capture's
+    compute nodes) and how to replay it faithfully."""
+
+    first: int
+    end: int
+    preserve_rng: bool
+    restore_buffers: tuple[str, ...] = ()
+
+
+class CheckpointSegment(nn.Module):
+    """One checkpointed segment. Holds no parameters: the code it runs looks attributes up
+    on the root module at call time, so the root's (possibly moved or sharded) tensors are
+    the ones used."""
+
+    def __init__(self, fn: Callable[..., Any], spec: SegmentSpec, first_node: str, last_node: str) -> None:
+        super().__init__()
+        self._fn = fn
+        self.spec = spec
+        self.first_node = first_node
+        self.last_node = last_node
+        object.__setattr__(self, "_root", None)
+
+    def bind(self, root: nn.Module) -> None:
+        # A plain attribute, not a registered child: the root must not become its own
+        # submodule (that would loop named_modules() and duplicate state_dict keys).
+        object.__setattr__(self, "_root", root)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.first_node} .. {self.last_node}, preserve_rng={self.spec.preserve_rng}, "
+            f"restore_buffers={list(self.spec.restore_buffers)}"
+        )
+
+    def forward(self, *args: Any) -> Any:
+        root = self._root
+        if root is None:
+            raise RuntimeError("checkpoint segment is not bound to a root module")
+        run = functools.partial(self._fn, root)
+        if not torch.is_grad_enabled():
+            return run(*args)
+        return checkpoint(
+            run,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=self.spec.preserve_rng,
+            context_fn=functools.partial(_contexts, root, self.spec.restore_buffers),
+        )
+
+
+def _contexts(root: nn.Module, buffer_names: tuple[str, ...]) -> tuple[Any, Any]:
+    if not buffer_names:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _RestoreBuffers(root, buffer_names)
+
+
+class _RestoreBuffers:
+    """Context for a recompute: buffers come out as they went in."""
+
+    def __init__(self, root: nn.Module, names: tuple[str, ...]) -> None:
+        self.buffers = [root.get_buffer(name) for name in names]
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> None:
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buffer, value in zip(self.buffers, self.saved):
+                buffer.copy_(value)
+        self.saved = []
+
+
+def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec]) -> fx.GraphModule:
+    """Build the checkpointed module for ``segments`` (sorted, disjoint node ranges)."""
+    nodes = capture.compute_nodes()
+    _validate(segments, len(nodes))
+    starts = {spec.first: spec for spec in segments}
+    graph = fx.Graph()
+    graph._codegen = capture.graph._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    modules: dict[str, CheckpointSegment] = {}
+    position = {node: i for i, node in enumerate(nodes)}
+    skip_until = -1
+    for node in capture.graph.nodes:
+        i = position.get(node)
+        if i is not None and i < skip_until:
+            continue
+        if i is not None and i in starts:
+            spec = starts[i]
+            name = f"{SEGMENT_PREFIX}{len(modules)}"
+            modules[name] = _emit_segment(model, graph, env, nodes, spec, name)
+            skip_until = spec.end
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.lint()
+
+    targets: dict[str, Any] = dict(modules)
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and node.target not in targets:
+            targets[node.target] = _resolve(model, node.target)
+    result = fx.GraphModule(targets, graph, class_name=f"{type(model).__name__}Checkpointed")
+    _mirror_tree(result, model)
+    for name, module in modules.items():
+        result._modules[name] = module
+        module.bind(result)
+    for name, value in capture.extra_attributes.items():
+        setattr(result, name, value)
+    return result
+
+
+def _emit_segment(
+    model: nn.Module, graph: fx.Graph, env: dict[fx.Node, fx.Node],
+    nodes: list[fx.Node], spec: SegmentSpec, name: str,
+) -> CheckpointSegment:
+    """Add one segment's call to ``graph`` and return the module that runs it."""
+    inside = nodes[spec.first : spec.end]
+    inside_set = set(inside)
+    inputs: list[fx.Node] = []
+    attrs: list[fx.Node] = []
+    for node in inside:
+        for used in node.all_input_nodes:
+            if used in inside_set:
+                continue
+            bucket = attrs if used.op == "get_attr" else inputs
+            if used not in bucket:
+                bucket.append(used)
+    outputs = [node for node in inside if any(user not in inside_set for user in node.users)]
+
+    sub = fx.Graph()
+    sub_env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        sub_env[node] = sub.placeholder(node.name)
+    for node in attrs:
+        sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
+    for node in inside:
+        sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
+    sub.output(tuple(sub_env[node] for node in outputs))
+    fn = _compile(model, sub)
+
+    call = graph.call_module(name, tuple(env[node] for node in inputs))
+    for k, node in enumerate(outputs):
+        env[node] = graph.create_node("call_function", operator.getitem, (call, k), name=node.name)
+    return CheckpointSegment(fn, spec, inside[0].name, inside[-1].name)
+
+
+def _compile(model: nn.Module, graph: fx.Graph) -> Callable[..., Any]:
+    """Python code for ``graph`` as a plain function ``fn(root, *inputs)``.
+
+    fx generates a ``forward(self, ...)`` method; taking it off its class gives a function
+    whose ``self`` is whatever module we pass, so attribute look-ups hit the live root.
+    """
+    targets = {
+        node.target: _resolve(model, node.target)
+        for node in graph.nodes if node.op in ("get_attr", "call_module")
+    }
+    holder = fx.GraphModule(targets, graph)
+    return type(holder).forward
+
+
+def _resolve(model: nn.Module, target: str) -> Any:
+    obj: Any = model
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _mirror_tree(result: nn.Module, model: nn.Module) -> None:
+    """Make ``result`` hold ``model``'s own parameters, buffers and children, same order."""
+    result._parameters.clear()
+    result._buffers.clear()
+    result._modules.clear()
+    result._non_persistent_buffers_set.clear()
+    result._parameters.update(model._parameters)
+    result._buffers.update(model._buffers)
+    result._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
+    result._modules.update(model._modules)
+    result.training = model.training
+    for name, value in vars(model).items():
+        if name.startswith("_") or name == "training" or name in vars(result):
+            continue
+        if isinstance(value, (nn.Module, torch.Tensor)):
+            continue
+        setattr(result, name, value)
+
+
+def _validate(segments: Sequence[SegmentSpec], num_nodes: int) -> None:
+    previous_end = 0
+    for spec in segments:
+        if not (previous_end <= spec.first < spec.end <= num_nodes):
+            raise ValueError(
+                f"segments must be sorted, disjoint, non-empty node ranges within 0..{num_nodes}; "
+                f"got {[(s.first, s.end) for s in segments]}"
+            )
+        previous_end = spec.end

@@ -1,0 +1,161 @@
+"""End to end on the model zoo: optimize -> train like eager, fit the measured budget,
+save/load/apply the plan, and fail with typed errors where a user can go wrong."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import autockpt
+from autockpt.api import Planner
+from autockpt.errors import GIB
+from autockpt.zoo import ZOO
+from tests.conftest import assert_same_step, train_step
+
+MODELS = sorted(ZOO)
+FRACTIONS = (0.0, 0.5, 0.9)
+
+
+def _planner(name: str):
+    model, inputs = ZOO[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, inputs)
+    return model, inputs, planner
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def zoo_case(request):
+    return (request.param, *_planner(request.param))
+
+
+def test_optimize_trains_like_eager_and_fits_budget(zoo_case):
+    name, model, inputs, planner = zoo_case
+    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+    assert low <= high
+    for fraction in FRACTIONS:
+        budget = low + fraction * (high - low)
+        fast = planner.optimize(budget_gb=budget / GIB)
+        plan = fast.plan
+        # same tensors, same names, same order: optimizers and state dicts keep working
+        assert list(fast.state_dict().keys()) == list(model.state_dict().keys())
+        assert [id(p) for p in fast.parameters()] == [id(p) for p in model.parameters()]
+        # a training step moves batch-norm statistics: compare from the same state
+        expected = train_step(copy.deepcopy(model), inputs)
+        got = train_step(fast, inputs)
+        assert_same_step(expected, got)
+        # the budget is a promise about measured memory, not about the prediction
+        measured = autockpt.measure(fast, inputs, repeat=1)
+        assert measured.peak_bytes <= plan.budget_bytes, (name, fraction, measured.peak_bytes, plan.budget_bytes)
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+        assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
+        assert autockpt.Plan.from_json(plan.to_json()) == plan
+
+
+def test_checkpointing_frees_memory_when_the_budget_needs_it(zoo_case):
+    name, model, inputs, planner = zoo_case
+    if planner.minimum_peak_bytes >= planner.no_checkpoint_peak_bytes:
+        pytest.skip(f"{name}: the leanest plan is no better than none at this size")
+    fast = planner.optimize(budget_gb=planner.minimum_peak_bytes / GIB)
+    assert fast.plan.segments, "a budget at the minimum must checkpoint something"
+    lean = autockpt.measure(fast, inputs, repeat=1)
+    plain = planner.optimize(budget_gb=planner.no_checkpoint_peak_bytes / GIB)
+    assert not plain.plan.segments
+    assert lean.peak_bytes < autockpt.measure(plain, inputs, repeat=1).peak_bytes
+
+
+def test_saved_plan_reapplies_without_profiling(zoo_case, tmp_path):
+    name, model, inputs, planner = zoo_case
+    budget = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2
+    fast = planner.optimize(budget_gb=budget / GIB)
+    path = tmp_path / "plan.json"
+    fast.plan.save(path)
+    loaded = autockpt.Plan.load(path)
+    assert loaded == fast.plan
+    fresh, fresh_inputs = ZOO[name]()
+    fresh.load_state_dict(model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = autockpt.apply(fresh, loaded, fresh_inputs)
+    assert [m for m in again._modules if m.startswith("_autockpt_segment_")] == [
+        m for m in fast._modules if m.startswith("_autockpt_segment_")
+    ]
+    assert_same_step(train_step(fast, inputs), train_step(again, fresh_inputs))
+
+
+def test_plan_from_another_model_is_refused():
+    gpt, gpt_inputs, gpt_planner = _planner("gpt")
+    fast = gpt_planner.optimize(budget_gb=gpt_planner.no_checkpoint_peak_bytes / GIB)
+    other, _ = ZOO["unet"]()
+    with pytest.raises(autockpt.PlanMismatchError, match="plan was made for"):
+        autockpt.apply(other, fast.plan)
+    bigger, bigger_inputs = ZOO["gpt"](batch=8)
+    with pytest.raises(autockpt.PlanMismatchError, match="inputs"):
+        autockpt.apply(bigger, fast.plan, bigger_inputs)
+
+
+def test_budget_below_minimum_states_an_achievable_minimum():
+    model, inputs, planner = _planner("resnet")
+    too_small = planner.minimum_peak_bytes * 0.8 / GIB
+    with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+        planner.optimize(budget_gb=too_small)
+    error = info.value
+    assert error.minimum_gb > too_small
+    assert "parameters" in str(error) and f"{error.minimum_gb:.4f} GiB" in str(error)
+    fast = planner.optimize(budget_gb=error.minimum_gb)
+    assert autockpt.measure(fast, inputs, repeat=1).peak_bytes <= fast.plan.budget_bytes
+
+
+def test_static_part_alone_exceeds_budget():
+    model, inputs = ZOO["block_stack"]()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(autockpt.InfeasibleBudgetError, match="gradients"):
+        autockpt.optimize(model, inputs, budget_gb=params / 2 / GIB)
+
+
+def test_activation_scope_budgets_only_what_lies_above_static():
+    model, inputs = ZOO["mlp_mixer"]()
+    planner = Planner(model, inputs, scope="activations")
+    budget = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2
+    fast = planner.optimize(budget_gb=budget / GIB)
+    measured = autockpt.measure(fast, inputs, repeat=1)
+    static = planner.profile.static_bytes + planner.profile.param_grad_bytes
+    assert measured.peak_bytes - static <= fast.plan.budget_bytes
+    assert fast.plan.scope == "activations"
+
+
+def test_model_that_already_checkpoints_warns():
+    model, inputs = ZOO["gpt_checkpointed"]()
+    with pytest.warns(UserWarning, match="already calls torch.utils.checkpoint"):
+        fast = autockpt.optimize(model, inputs, budget_gb=1.0)
+    assert any("already calls" in note for note in fast.plan.notes)
+
+
+def test_bad_arguments_raise_clear_errors():
+    model, inputs = ZOO["block_stack"]()
+    with pytest.raises(ValueError, match="budget_gb"):
+        autockpt.optimize(model, inputs, budget_gb=0)
+    with pytest.raises(ValueError, match="scope"):
+        autockpt.optimize(model, inputs, budget_gb=1, scope="everything")
+    with pytest.raises(ValueError, match="solver"):
+        autockpt.optimize(model, inputs, budget_gb=1, solver="magic")
+    with pytest.raises(TypeError, match="nn.Module"):
+        autockpt.optimize(lambda x: x, inputs, budget_gb=1)
+    ddp_like = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    torch.nn.Module.__init__(ddp_like)
+    with pytest.raises(autockpt.AutockptError, match="optimize on the plain module first"):
+        autockpt.optimize(ddp_like, inputs, budget_gb=1)
+
+
+def test_no_grad_inference_runs_segments_plainly():
+    model, inputs, planner = _planner("gpt")
+    fast = planner.optimize(budget_gb=planner.minimum_peak_bytes / GIB)
+    fast.eval()
+    model.eval()
+    with torch.no_grad():
+        expected = model(*inputs)
+        got = fast(*inputs)
+    torch.testing.assert_close(got, expected)
