@@ -23,8 +23,9 @@ from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMisma
 from autockpt.measure import Measurement, measure
 from autockpt.plan import MemoryBreakdown, Plan, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
-from autockpt.profile import LossFn, Profile, profile
+from autockpt.profile import Profile, profile
 from autockpt.rewrite import SegmentSpec, rewrite
+from autockpt.runtime import LossFn
 from autockpt.solve import minimum_peak, no_checkpoint_peak, solve_chain
 from autockpt.trace import Capture, Inputs, capture, given_input_names
 from solvers import Solution, simulate
@@ -284,7 +285,7 @@ def _make_plan(
     simulation = simulate(problem, solution.segments)
     specs = _segment_specs(chain, prof, captured, solution)
     segments = []
-    for (start, end), spec in zip(solution.segments, specs):
+    for (start, end), spec in zip(solution.segments, specs, strict=True):
         saved = sum(problem.saved_bytes[start:end])
         segments.append(Segment(
             start_stage=start,

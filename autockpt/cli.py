@@ -218,7 +218,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     import autockpt
     from autockpt.plan import Plan
-    from autockpt.profile import default_loss, preserved_training_state
+    from autockpt.runtime import default_loss, preserved_training_state
     from autockpt.trace import Inputs
 
     plan = Plan.load(args.plan)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,14 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from autockpt.profile import LossFn, default_loss, preserved_training_state  # noqa: E402
+from autockpt.runtime import (  # noqa: E402
+    LossFn,
+    clear_grads,
+    default_loss,
+    device_of,
+    now,
+    preserved_training_state,
+)
 from autockpt.trace import Inputs  # noqa: E402
 
 
@@ -63,24 +69,24 @@ def measure(
     """Measure peak memory and step time of ``loss_fn(model(*inputs)).backward()``."""
     inputs = Inputs.of(example_inputs)
     loss_fn = loss_fn or default_loss
-    device = _device(model, inputs)
+    device = device_of(model, inputs)
     static = static_bytes(model, inputs)
     with preserved_training_state(model):
-        _clear_grads(model)
+        clear_grads(model)
         for _ in range(max(0, warmup)):
             _step(model, inputs, loss_fn)
-            _clear_grads(model)
+            clear_grads(model)
         if device.type == "cuda":
             peak = _cuda_peak(model, inputs, loss_fn, device, static)
         else:
             peak = _cpu_peak(model, inputs, loss_fn, static)
-        _clear_grads(model)
+        clear_grads(model)
         times = []
         for _ in range(max(1, repeat)):
-            start = _now(device)
+            start = now(device)
             _step(model, inputs, loss_fn)
-            times.append(_now(device) - start)
-            _clear_grads(model)
+            times.append(now(device) - start)
+            clear_grads(model)
     return Measurement(peak, static, statistics.median(times), str(device), max(1, repeat))
 
 
@@ -129,20 +135,3 @@ def _cuda_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, device: torch.
     torch.cuda.synchronize(device)
     unrelated = before - static
     return torch.cuda.max_memory_allocated(device) - unrelated
-
-
-def _clear_grads(model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
-def _device(model: nn.Module, inputs: Inputs) -> torch.device:
-    for t in list(model.parameters()) + inputs.tensors():
-        return t.device
-    return torch.device("cpu")
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

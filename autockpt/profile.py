@@ -22,21 +22,24 @@ bumping version counters, so values are the only reliable witness. The model's s
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autockpt.runtime import (
+    LossFn,
+    clear_grads,
+    default_loss,
+    device_of,
+    now,
+    preserved_training_state,
+    tensors_in,
+)
 from autockpt.trace import Capture, Inputs
-
-LossFn = Callable[[Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -82,36 +85,6 @@ class Profile:
         return sum(self.storage_bytes[s] for s in unique)
 
 
-def default_loss(output: Any) -> torch.Tensor:
-    """The scalar to differentiate when the user gives no ``loss_fn``: the output's ``loss``
-    field when it has one (Hugging Face style), else the sum over its floating tensors."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss
-    tensors = [
-        t for t in pytree.tree_leaves(_as_pytree(output))
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
-    ]
-    if not tensors:
-        raise ValueError(
-            "the model's output has no floating tensor that requires grad; pass loss_fn= "
-            "mapping the output to a scalar loss"
-        )
-    return sum(t.float().sum() for t in tensors)
-
-
-def _as_pytree(output: Any) -> Any:
-    if hasattr(output, "to_tuple") and callable(output.to_tuple):
-        return output.to_tuple()
-    import dataclasses
-
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        return [getattr(output, f.name) for f in dataclasses.fields(output)]
-    return output
-
-
 def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> list[Any]:
     """The flat list of values for the graph's placeholders, in graph order."""
     placeholders = [n for n in capture.graph.nodes if n.op == "placeholder"]
@@ -154,7 +127,7 @@ def profile(
     loss_fn = loss_fn or default_loss
     nodes = capture.compute_nodes()
     index_of = {node: i for i, node in enumerate(nodes)}
-    device = _device_of(model, inputs)
+    device = device_of(model, inputs)
     static_keys, param_bytes, buffer_bytes, input_bytes = _static_storages(model, inputs)
     grad_bytes_by_node, param_grad_bytes = _param_grad_attribution(model, capture, index_of)
 
@@ -170,26 +143,26 @@ def profile(
         _backward(loss_fn(output), None)
         del output
         structure = recorder
-        _clear_grads(model)
+        clear_grads(model)
 
         fwd_times: list[list[float]] = [[] for _ in nodes]
         bwd_times: list[list[float]] = [[] for _ in nodes]
         step_times: list[float] = []
         for _ in range(max(1, repeat)):
             timer = _Recorder(model, capture, index_of, static_keys, record=False)
-            start = _now(device)
+            start = now(device)
             output = run_graph(capture, model, inputs, timer)
             loss = loss_fn(output)
             stamps = timer.backward_stamps()
             _backward(loss, None)
-            end = _now(device)
+            end = now(device)
             del output, loss
             step_times.append(end - start)
             for i, seconds in enumerate(timer.forward_seconds):
                 fwd_times[i].append(seconds)
             for i, seconds in _backward_durations(stamps, end).items():
                 bwd_times[i].append(seconds)
-            _clear_grads(model)
+            clear_grads(model)
 
     profiles = tuple(
         NodeProfile(
@@ -263,14 +236,14 @@ class _Recorder(fx.Interpreter):
         if i is None:
             result = super().run_node(n)
             if n.op == "output" and self.record:
-                ids = {self._storage_id(t) for t in _tensors(result)} - {None}
+                ids = {self._storage_id(t) for t in tensors_in(result)} - {None}
                 self.final_output_bytes = sum(self.storage_bytes[s] for s in ids)
             return result
         if not self.record:
             self.device = self.device or _first_device(n, self.env)
-            start = _now(self.device)
+            start = now(self.device)
             result = super().run_node(n)
-            self.forward_seconds[i] = _now(self.device) - start
+            self.forward_seconds[i] = now(self.device) - start
             self._remember_grad_fn(i, result)
             return result
 
@@ -282,7 +255,7 @@ class _Recorder(fx.Interpreter):
                 saved.add(sid)
             return t
 
-        args = [t for t in _tensors((self._lookup_args(n)))]
+        args = [t for t in tensors_in(self._lookup_args(n))]
         versions = [(t, t._version) for t in args]
         rng = torch.get_rng_state()
         cuda_rng = _cuda_rng_state()
@@ -292,7 +265,7 @@ class _Recorder(fx.Interpreter):
         self.flops[i] = int(counter.get_total_flops())
         self.random[i] = not torch.equal(rng, torch.get_rng_state()) or cuda_rng != _cuda_rng_state()
         self.saved[i] = sorted(saved)
-        self.outputs[i] = sorted({self._storage_id(t) for t in _tensors(result)} - {None})
+        self.outputs[i] = sorted({self._storage_id(t) for t in tensors_in(result)} - {None})
         self.mutates[i] = sorted(
             {self._storage_id(t) for t, v in versions if t._version != v} - {None}
         )
@@ -302,7 +275,7 @@ class _Recorder(fx.Interpreter):
         return fx.node.map_arg((n.args, n.kwargs), lambda a: self.env.get(a))
 
     def _remember_grad_fn(self, i: int, result: Any) -> None:
-        for t in _tensors(result):
+        for t in tensors_in(result):
             if t.grad_fn is not None:
                 self.grad_fns[i] = t.grad_fn
                 return
@@ -312,7 +285,7 @@ class _Recorder(fx.Interpreter):
         stamps: dict[int, list[float]] = {}
         for i, grad_fn in self.grad_fns.items():
             def hook(grad_outputs: Any, i: int = i) -> None:
-                stamps.setdefault(i, []).append(_now(self.device))
+                stamps.setdefault(i, []).append(now(self.device))
 
             grad_fn.register_prehook(hook)
         return stamps
@@ -335,10 +308,6 @@ def _backward(loss: torch.Tensor, grad: torch.Tensor | None) -> None:
             + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
         )
     loss.backward(grad)
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(_as_pytree(value)) if isinstance(t, torch.Tensor)]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -392,52 +361,13 @@ def _param_grad_attribution(
     return grads, total
 
 
-def _clear_grads(model: nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = None
-
-
-@contextmanager
-def preserved_training_state(model: nn.Module) -> Iterator[None]:
-    """Run trial steps without leaving a trace: buffers, parameter ``.grad`` and RNG states
-    are restored on exit, so profiling or measuring never changes how training proceeds."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        for name, p in model.named_parameters():
-            p.grad = grads.get(name)
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
 def _cuda_rng_state() -> Any:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return None
 
 
-def _device_of(model: nn.Module, inputs: Inputs) -> torch.device:
-    for t in list(model.parameters()) + inputs.tensors():
-        return t.device
-    return torch.device("cpu")
-
-
 def _first_device(n: fx.Node, env: dict) -> torch.device:
-    for t in _tensors(fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a))):
+    for t in tensors_in(fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a))):
         return t.device
     return torch.device("cpu")
-
-
-def _now(device: torch.device | None) -> float:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

@@ -104,7 +104,7 @@ class _RestoreBuffers:
 
     def __exit__(self, *exc: Any) -> None:
         with torch.no_grad():
-            for buffer, value in zip(self.buffers, self.saved):
+            for buffer, value in zip(self.buffers, self.saved, strict=True):
                 buffer.copy_(value)
         self.saved = []
 

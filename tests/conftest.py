@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from autockpt.profile import default_loss  # noqa: E402
+from autockpt.runtime import default_loss  # noqa: E402
 from autockpt.trace import Inputs  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -1,0 +1,94 @@
+"""Helpers shared by the stages that run real training steps (profile, measure, CLI).
+
+A training step here is ``loss_fn(model(*args, **kwargs)).backward()``; these helpers pick
+the loss, find the device, time on it, and make trial steps leave no trace in the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+if TYPE_CHECKING:
+    from autockpt.trace import Inputs
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The scalar to differentiate when the user gives no ``loss_fn``: the output's ``loss``
+    field when it has one (Hugging Face style), else the sum over its floating tensors."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensors = [
+        t for t in pytree.tree_leaves(_as_pytree(output))
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not tensors:
+        raise ValueError(
+            "the model's output has no floating tensor that requires grad; pass loss_fn= "
+            "mapping the output to a scalar loss"
+        )
+    return sum(t.float().sum() for t in tensors)
+
+
+def _as_pytree(output: Any) -> Any:
+    if hasattr(output, "to_tuple") and callable(output.to_tuple):
+        return output.to_tuple()
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [getattr(output, f.name) for f in dataclasses.fields(output)]
+    return output
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a nested output (tuples, dicts, dataclasses, ModelOutput)."""
+    return [t for t in pytree.tree_leaves(_as_pytree(value)) if isinstance(t, torch.Tensor)]
+
+
+def clear_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+@contextmanager
+def preserved_training_state(model: nn.Module) -> Iterator[None]:
+    """Run trial steps without leaving a trace: buffers, parameter ``.grad`` and RNG states
+    are restored on exit, so profiling or measuring never changes how training proceeds."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for name, p in model.named_parameters():
+            p.grad = grads.get(name)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def device_of(model: nn.Module, inputs: Inputs) -> torch.device:
+    for t in list(model.parameters()) + inputs.tensors():
+        return t.device
+    return torch.device("cpu")
+
+
+def now(device: torch.device | None) -> float:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
