@@ -81,9 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="plan and measure the seed workload (a deep block stack)")
-    demo.add_argument("--blocks", type=int, default=24)
-    demo.add_argument("--width", type=int, default=512)
-    demo.add_argument("--batch", type=int, default=256)
+    demo.add_argument("--blocks", type=int, default=32)
+    demo.add_argument("--width", type=int, default=128)
+    demo.add_argument("--batch", type=int, default=512)
     demo.add_argument("--budget-gb", type=float, default=None,
                       help="budget in GiB (default: halfway between the leanest plan and none)")
     demo.add_argument("--solver", default="auto")

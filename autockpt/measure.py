@@ -17,8 +17,11 @@ Step time is the median of ``repeat`` un-instrumented steps. The model's state (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,8 +116,14 @@ def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn) -> None:
 def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        prof.start()
+    try:
         _step(model, inputs, loss_fn)
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
     events = [
         e for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
@@ -125,6 +134,21 @@ def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) ->
         current += event.nbytes()
         peak = max(peak, current)
     return static + peak
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Silence the profiler's native start/stop chatter, which is written straight to file
+    descriptor 2 (no Python logging switch reaches it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _cuda_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, device: torch.device, static: int) -> int:

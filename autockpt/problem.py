@@ -78,17 +78,19 @@ def build_chain(
         return sum(size[s] for s in storages)
 
     boundary = tuple(frozenset(crossing[start]) if start > 0 else frozenset() for start, _ in stages)
+    owned, shared = _attribute_saved(profile, stages)
     saved, inputs, fwd, bwd, grads, transient = [], [], [], [], [], []
     for k, (start, end) in enumerate(stages):
         stage_saved = {s for i in range(start, end) for s in profile.nodes[i].saved}
         out_boundary = crossing[end] if end < n else set()
-        saved.append(nbytes(stage_saved))
+        saved.append(nbytes(owned[k]))
         inputs.append(nbytes(boundary[k]))
         fwd.append(sum(profile.nodes[i].forward_seconds for i in range(start, end)))
         bwd.append(sum(profile.nodes[i].backward_seconds for i in range(start, end)))
         grads.append(sum(profile.nodes[i].param_grad_bytes for i in range(start, end)))
         transient.append(
-            _stage_transient(profile, last_use, start, end, stage_saved, boundary[k] | out_boundary)
+            nbytes(shared[k])
+            + _stage_transient(profile, last_use, start, end, stage_saved, boundary[k] | out_boundary)
         )
     tail = 2 * profile.output_bytes
     static = profile.static_bytes if static_bytes is None else static_bytes
@@ -104,6 +106,36 @@ def build_chain(
         segment_overhead_seconds=segment_overhead_seconds,
     )
     return Chain(stages, tuple(node.name for node in nodes), problem, boundary, tail)
+
+
+def _attribute_saved(
+    profile: Profile, stages: tuple[tuple[int, int], ...]
+) -> tuple[list[set[int]], list[set[int]]]:
+    """Give each saved storage to the *last* stage that saves it.
+
+    A storage saved by several stages (a ReLU's output that the next Linear saves too) must
+    count once. Owned by its last saver, it is counted exactly in the forward: if that stage
+    is kept it is stored; if it is checkpointed, either the storage was made inside the same
+    segment (recomputed, correctly not stored) or it entered the segment and is counted in
+    the segment's input bytes. Earlier savers still hold it during their own backward, after
+    the owner's backward has run, so it is added to their transient bytes (``shared``).
+    """
+    stage_of = [0] * len(profile.nodes)
+    for k, (start, end) in enumerate(stages):
+        for i in range(start, end):
+            stage_of[i] = k
+    savers: dict[int, set[int]] = {}
+    for i, node in enumerate(profile.nodes):
+        for s in node.saved:
+            savers.setdefault(s, set()).add(stage_of[i])
+    owned: list[set[int]] = [set() for _ in stages]
+    shared: list[set[int]] = [set() for _ in stages]
+    for s, ks in savers.items():
+        last = max(ks)
+        owned[last].add(s)
+        for k in ks - {last}:
+            shared[k].add(s)
+    return owned, shared
 
 
 def _last_uses(nodes: list[fx.Node], index_of: dict[fx.Node, int], n: int) -> list[int]:

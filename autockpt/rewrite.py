@@ -114,31 +114,50 @@ def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec])
     nodes = capture.compute_nodes()
     _validate(segments, len(nodes))
     starts = {spec.first: spec for spec in segments}
+
+    def lookup(target: str) -> Any:
+        # Parameters, buffers and submodules come from the user's model; constants that
+        # capture created (fx tensor constants, export's lifted constants) from the capture.
+        try:
+            return _resolve(model, target)
+        except AttributeError:
+            return _resolve(capture.graph_module, target)
+
     graph = fx.Graph()
     graph._codegen = capture.graph._codegen
     env: dict[fx.Node, fx.Node] = {}
     modules: dict[str, CheckpointSegment] = {}
     position = {node: i for i, node in enumerate(nodes)}
     skip_until = -1
+    # Inputs first: fx puts a specialised argument's placeholder next to its guard, i.e.
+    # after earlier compute nodes, and a segment emitted at its first node needs them all.
+    for node in [n for n in capture.graph.nodes if n.op == "placeholder"]:
+        env[node] = graph.node_copy(node, lambda n: env[n])
     for node in capture.graph.nodes:
+        if node in env:
+            continue
         i = position.get(node)
         if i is not None and i < skip_until:
             continue
         if i is not None and i in starts:
             spec = starts[i]
             name = f"{SEGMENT_PREFIX}{len(modules)}"
-            modules[name] = _emit_segment(model, graph, env, nodes, spec, name)
+            modules[name] = _emit_segment(lookup, graph, env, nodes, spec, name)
             skip_until = spec.end
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)  # now read inside a segment only
     graph.lint()
 
     targets: dict[str, Any] = dict(modules)
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module") and node.target not in targets:
-            targets[node.target] = _resolve(model, node.target)
+            targets[node.target] = lookup(node.target)
     result = fx.GraphModule(targets, graph, class_name=f"{type(model).__name__}Checkpointed")
     _mirror_tree(result, model)
+    _attach_constants(result, capture, lookup)
     for name, module in modules.items():
         result._modules[name] = module
         module.bind(result)
@@ -148,7 +167,7 @@ def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec])
 
 
 def _emit_segment(
-    model: nn.Module, graph: fx.Graph, env: dict[fx.Node, fx.Node],
+    lookup: Callable[[str], Any], graph: fx.Graph, env: dict[fx.Node, fx.Node],
     nodes: list[fx.Node], spec: SegmentSpec, name: str,
 ) -> CheckpointSegment:
     """Add one segment's call to ``graph`` and return the module that runs it."""
@@ -174,7 +193,7 @@ def _emit_segment(
     for node in inside:
         sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
     sub.output(tuple(sub_env[node] for node in outputs))
-    fn = _compile(model, sub)
+    fn = _compile(lookup, sub)
 
     call = graph.call_module(name, tuple(env[node] for node in inputs))
     for k, node in enumerate(outputs):
@@ -182,14 +201,14 @@ def _emit_segment(
     return CheckpointSegment(fn, spec, inside[0].name, inside[-1].name)
 
 
-def _compile(model: nn.Module, graph: fx.Graph) -> Callable[..., Any]:
+def _compile(lookup: Callable[[str], Any], graph: fx.Graph) -> Callable[..., Any]:
     """Python code for ``graph`` as a plain function ``fn(root, *inputs)``.
 
     fx generates a ``forward(self, ...)`` method; taking it off its class gives a function
     whose ``self`` is whatever module we pass, so attribute look-ups hit the live root.
     """
     targets = {
-        node.target: _resolve(model, node.target)
+        node.target: lookup(node.target)
         for node in graph.nodes if node.op in ("get_attr", "call_module")
     }
     holder = fx.GraphModule(targets, graph)
@@ -201,6 +220,20 @@ def _resolve(model: nn.Module, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _attach_constants(result: nn.Module, capture: Capture, lookup: Callable[[str], Any]) -> None:
+    """Attributes the graph reads that are not in the user's tree (tensor constants made by
+    capture) are attached to the result at the same path, as plain attributes."""
+    for node in capture.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            _resolve(result, node.target)
+        except AttributeError:
+            owner_path, _, name = node.target.rpartition(".")
+            owner = _resolve(result, owner_path) if owner_path else result
+            object.__setattr__(owner, name, lookup(node.target))
 
 
 def _mirror_tree(result: nn.Module, model: nn.Module) -> None:

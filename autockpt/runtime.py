@@ -66,6 +66,9 @@ def preserved_training_state(model: nn.Module) -> Iterator[None]:
     are restored on exit, so profiling or measuring never changes how training proceeds."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     grads = {name: p.grad for name, p in model.named_parameters()}
+    # Trial steps start from no gradient: a backward would otherwise accumulate into the
+    # caller's own .grad tensors in place, and restoring the references would not undo it.
+    clear_grads(model)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:

@@ -105,10 +105,16 @@ class Capture:
         return [n for n in self.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
 
     def fingerprint(self) -> str:
-        """Structural hash of the graph: ops, targets and wiring, independent of weights."""
+        """Structural hash of the graph: ops, targets (with the class of each called
+        module) and wiring, independent of weights."""
         digest = hashlib.sha256()
         for node in self.graph.nodes:
             digest.update(f"{node.op}|{node.name}|{_target_name(node.target)}|".encode())
+            if node.op == "call_module":
+                # A module's name says nothing about what it does: Identity -> Dropout
+                # changes RNG use, ReLU -> BatchNorm adds mutated buffers.
+                module = self.graph_module.get_submodule(node.target)
+                digest.update(f"{_target_name(type(module))}|".encode())
             digest.update(repr(_arg_names(node.args)).encode())
             digest.update(repr(_arg_names(node.kwargs)).encode())
         return digest.hexdigest()[:16]

@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from autockpt.runtime import default_loss  # noqa: E402
+from autockpt.runtime import default_loss, tensors_in  # noqa: E402
 from autockpt.trace import Inputs  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -29,6 +29,7 @@ def train_step(model: torch.nn.Module, example_inputs: Any, seed: int = 1234, lo
     loss.backward()
     result = {
         "loss": loss.detach().clone(),
+        "outputs": [t.detach().clone() for t in tensors_in(output)],
         "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "rng": torch.get_rng_state(),
@@ -39,8 +40,11 @@ def train_step(model: torch.nn.Module, example_inputs: Any, seed: int = 1234, lo
 
 
 def assert_same_step(expected: dict[str, Any], got: dict[str, Any]) -> None:
-    """Loss, every parameter gradient and every buffer equal (up to float reassociation)."""
+    """Loss, outputs, every parameter gradient and every buffer equal (up to float reassociation)."""
     torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+    assert len(got["outputs"]) == len(expected["outputs"])
+    for out, ref in zip(got["outputs"], expected["outputs"], strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert got["grads"].keys() == expected["grads"].keys()
     for name, grad in expected["grads"].items():
         torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
