@@ -12,7 +12,8 @@ Rules the result keeps (and why):
 * RNG state is preserved only for segments with random ops (dropout), so recomputed masks
   equal the forward's and outputs and gradients equal eager's.
 * Buffers that the forward mutates (batch-norm running statistics, counters) are
-  snapshotted before a recompute and restored after it, so they advance once per step.
+  snapshotted when a segment runs forward; its recompute runs on those values and restores
+  the current ones afterwards, so they advance once per step and read as in the forward.
 * Without autograd (``torch.no_grad()``), segments run plainly: there is nothing to save.
 """
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,24 +91,38 @@ class CheckpointSegment(nn.Module):
 def _contexts(root: nn.Module, buffer_names: tuple[str, ...]) -> tuple[Any, Any]:
     if not buffer_names:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), _RestoreBuffers(root, buffer_names)
+    state = _BufferState(root, buffer_names)
+    return state.forward_context(), state.recompute_context()
 
 
-class _RestoreBuffers:
-    """Context for a recompute: buffers come out as they went in."""
+class _BufferState:
+    """The forward remembers the buffers as it found them; the recompute runs on exactly
+    those values (a buffer read and then updated in place later in the step would otherwise
+    be seen updated) and leaves the buffers as it found them (so running statistics advance
+    once per step)."""
 
     def __init__(self, root: nn.Module, names: tuple[str, ...]) -> None:
         self.buffers = [root.get_buffer(name) for name in names]
-        self.saved: list[torch.Tensor] = []
+        self.at_forward: list[torch.Tensor] = []
 
-    def __enter__(self) -> None:
-        self.saved = [b.detach().clone() for b in self.buffers]
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        self.at_forward = [b.detach().clone() for b in self.buffers]
+        yield
 
-    def __exit__(self, *exc: Any) -> None:
+    @contextlib.contextmanager
+    def recompute_context(self) -> Iterator[None]:
+        current = [b.detach().clone() for b in self.buffers]
+        self._load(self.at_forward)
+        try:
+            yield
+        finally:
+            self._load(current)
+
+    def _load(self, values: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            for buffer, value in zip(self.buffers, self.saved, strict=True):
+            for buffer, value in zip(self.buffers, values, strict=True):
                 buffer.copy_(value)
-        self.saved = []
 
 
 def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec]) -> fx.GraphModule:
@@ -156,14 +172,54 @@ def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec])
         if node.op in ("get_attr", "call_module") and node.target not in targets:
             targets[node.target] = lookup(node.target)
     result = fx.GraphModule(targets, graph, class_name=f"{type(model).__name__}Checkpointed")
-    _mirror_tree(result, model)
+    _adopt_tree(result, model, modules)
     _attach_constants(result, capture, lookup)
-    for name, module in modules.items():
-        result._modules[name] = module
-        module.bind(result)
     for name, value in capture.extra_attributes.items():
         setattr(result, name, value)
+    # Kept through copy.deepcopy (GraphModule re-applies these after copying).
+    preserved = result.meta.setdefault("_user_preserved_attributes", {})
+    preserved["_autockpt_original"] = _OriginalRef(model, model.training)
+    preserved["forward"] = types.MethodType(_forward_in_any_mode, result)
+    for name, value in preserved.items():
+        object.__setattr__(result, name, value)
+    result._deepcopy_hooks = [_readopt_after_deepcopy]
     return result
+
+
+class _OriginalRef:
+    """The user's module, held without registering it (it must not become a child), and the
+    training mode the graph was captured in."""
+
+    def __init__(self, module: nn.Module, captured_training: bool) -> None:
+        self.module = module
+        self.captured_training = captured_training
+
+
+def _forward_in_any_mode(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """Run the checkpointed graph in the mode it was captured in; in the other mode (e.g.
+    ``.eval()`` after capturing in training mode) run the original forward on the same
+    tree, since capture baked mode-dependent branches (``training=self.training``) in."""
+    original: _OriginalRef = self._autockpt_original
+    if self.training == original.captured_training:
+        return type(self).forward(self, *args, **kwargs)
+    original.module.training = self.training
+    return original.module(*args, **kwargs)
+
+
+def _adopt_tree(result: fx.GraphModule, model: nn.Module, segments: dict[str, nn.Module]) -> None:
+    _mirror_tree(result, model)
+    for name, module in segments.items():
+        result._modules[name] = module
+        module.bind(result)
+
+
+def _readopt_after_deepcopy(copied: fx.GraphModule) -> None:
+    """GraphModule's deepcopy keeps only modules its graph names; re-adopt the whole copied
+    tree so the copy, like the original, has every parameter and buffer of the model."""
+    segments = {
+        name: module for name, module in copied._modules.items() if isinstance(module, CheckpointSegment)
+    }
+    _adopt_tree(copied, copied._autockpt_original.module, segments)
 
 
 def _emit_segment(

@@ -18,16 +18,19 @@ and buffer objects (``state_dict()`` keys stay the same, optimizers keep working
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import inspect
+import io
+import logging
 import linecache
 import os
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -350,7 +353,7 @@ def _restore_placeholder_names(graph: fx.Graph, model: nn.Module) -> None:
 def _capture_export(
     model: nn.Module, inputs: Inputs, notes: list[str], fx_failure: tuple[str, BaseException] | None
 ) -> Capture:
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_torch_logs():
         warnings.simplefilter("ignore")
         exported = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
         gm = exported.module()
@@ -370,6 +373,23 @@ def _capture_export(
         note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
     notes.append(note)
     return Capture(gm, "export", (), notes, extras)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs whole graphs and guard diagnostics when it fails; we report the
+    failure ourselves in one line, so its own loggers are hushed for the attempt."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name.startswith("torch")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _is_impure(node: fx.Node) -> bool:

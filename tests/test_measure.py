@@ -142,6 +142,10 @@ def test_measure_accepts_keyword_inputs_and_structured_outputs():
     assert result.peak_bytes > result.static_bytes == 2 * (8 * 8 + 8) * F32 + 3 * 8 * F32
 
 
-def test_measure_rejects_a_non_scalar_loss():
-    with pytest.raises(RuntimeError):
-        measure(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda out: out, repeat=1)
+def test_a_failing_step_inside_the_profiler_leaves_measure_usable():
+    model, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="scalar"):
+        measure(model, x, loss_fn=lambda out: out, repeat=1, warmup=0)
+    assert all(p.grad is None for p in model.parameters())
+    again = measure(model, x, repeat=1, warmup=0)
+    assert again.peak_bytes > again.static_bytes

@@ -1,0 +1,331 @@
+"""Graph capture: fx, fx with automatic leaves, torch.export, and the error when all fail."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt.profile import run_graph
+from autockpt.trace import Capture, Inputs, capture, given_input_names
+
+WIDTH = 8
+
+
+def _mlp(hidden: nn.Module | None = None, depth: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(WIDTH, WIDTH)]
+    for _ in range(depth - 1):
+        layers += [hidden if hidden is not None else nn.ReLU(), nn.Linear(WIDTH, WIDTH)]
+    return nn.Sequential(*layers)
+
+
+def _x(batch: int = 3) -> torch.Tensor:
+    return torch.randn(batch, WIDTH)
+
+
+def _capture(model: nn.Module, example: object, **kwargs) -> Capture:
+    return capture(model, Inputs.of(example), **kwargs)
+
+
+class ValueRouter(nn.Module):
+    """Branches on a tensor value: fx cannot trace it, but as a leaf it is fine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.proj(x)
+        return -self.proj(x)
+
+
+class RoutedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, WIDTH)
+        self.router = ValueRouter()
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.router(self.inp(x))))
+
+
+class RootShapeBranch(nn.Module):
+    """Branches on the input's *shape* in the root: fx fails, export specialises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = self.proj(x)
+        return torch.tanh(x)
+
+
+class RootValueBranch(nn.Module):
+    """Branches on a tensor *value* in the root: neither fx nor export can capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if x.sum() > 0:
+            h = h * 2
+        return h
+
+
+class KwargsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, scale: float = 2.0) -> torch.Tensor:
+        h = self.proj(x) * scale
+        if y is not None:
+            h = h + y
+        if mask is not None:
+            h = h * mask
+        return h
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class DataclassModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> Output:
+        h = self.proj(x)
+        return Output(logits=torch.relu(h), hidden=h)
+
+
+# --------------------------------------------------------------------------------------------
+# fx
+
+
+def test_plain_model_traces_with_fx():
+    model, x = _mlp(depth=3), _x()
+    cap = _capture(model, x)
+    assert cap.method == "fx"
+    assert cap.leaf_modules == ()
+    # every nn.Module of the Sequential stays one call_module node, in execution order
+    names = [str(node.target) for node in cap.compute_nodes()]
+    assert names == [name for name, _ in model.named_children()]
+    assert all(node.op == "call_module" for node in cap.compute_nodes())
+    torch.testing.assert_close(run_graph(cap, model, Inputs.of(x)), model(x))
+
+
+def test_fingerprint_is_stable_and_structural():
+    x = _x()
+    first = _capture(_mlp(), x).fingerprint()
+    # same architecture, other weights, other batch size: same fingerprint
+    other = _mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    assert _capture(other, _x(batch=5)).fingerprint() == first
+    assert _capture(_mlp(), x).fingerprint() == first
+    # a changed architecture changes it
+    assert _capture(_mlp(depth=3), x).fingerprint() != first
+    deeper = nn.Sequential(*_mlp(), nn.ReLU())
+    assert _capture(deeper, x).fingerprint() != first
+
+
+def test_fingerprint_sees_module_types():
+    """Swapping a submodule's class (Identity -> Dropout, ReLU -> BatchNorm) is another
+    architecture: a plan made without RNG preservation or buffer restoring must not be
+    applied to it."""
+    x = _x()
+    prints = {
+        type(hidden).__name__: _capture(_mlp(hidden), x).fingerprint()
+        for hidden in (nn.Identity(), nn.Dropout(0.5), nn.ReLU(), nn.BatchNorm1d(WIDTH))
+    }
+    assert len(set(prints.values())) == len(prints), prints
+
+
+# --------------------------------------------------------------------------------------------
+# fallbacks
+
+
+def test_untraceable_submodule_becomes_a_leaf():
+    torch.manual_seed(0)
+    model, x = RoutedModel(), _x()
+    cap = _capture(model, x)
+    assert cap.method == "fx+leaves"
+    assert cap.leaf_modules == ("router",)
+    router_nodes = [n for n in cap.compute_nodes() if n.op == "call_module" and n.target == "router"]
+    assert len(router_nodes) == 1
+    # nothing inside the router was traced through
+    assert not any(str(n.target).startswith("router.") for n in cap.graph.nodes)
+    assert any("router" in note for note in cap.warnings)
+    torch.testing.assert_close(run_graph(cap, model, Inputs.of(x)), model(x))
+
+
+def test_user_leaf_modules_stay_calls():
+    model, x = RoutedModel(), _x()
+    cap = _capture(model, x, leaf_modules=["router"])
+    assert cap.method == "fx"  # nothing had to be discovered
+    assert cap.leaf_modules == ("router",)
+    assert [str(n.target) for n in cap.compute_nodes() if n.op == "call_module"] == ["inp", "router", "out"]
+
+
+def test_missing_leaf_module_name_is_rejected():
+    with pytest.raises(ValueError, match="no_such_module"):
+        _capture(RoutedModel(), _x(), leaf_modules=["router", "no_such_module"])
+
+
+def test_root_shape_branch_falls_back_to_export():
+    torch.manual_seed(0)
+    model, x = RootShapeBranch(), _x()
+    cap = _capture(model, x)
+    assert cap.method == "export"
+    assert cap.leaf_modules == ()
+    assert any("torch.export" in note for note in cap.warnings)
+    # the training IR keeps the original parameter names as attribute targets
+    targets = {str(n.target) for n in cap.graph.nodes if n.op == "get_attr"}
+    assert targets == {"proj.weight", "proj.bias"}
+    torch.testing.assert_close(run_graph(cap, model, Inputs.of(x)), model(x))
+
+
+def test_root_value_branch_raises_trace_error_naming_the_line():
+    with pytest.raises(autockpt.TraceError) as info:
+        _capture(RootValueBranch(), _x())
+    error = info.value
+    lines, first = inspect.getsourcelines(RootValueBranch.forward)
+    offset = next(k for k, line in enumerate(lines) if "if x.sum() > 0:" in line)
+    location = f"{RootValueBranch.forward.__code__.co_filename}:{first + offset}"
+    assert error.module == ""
+    assert error.location == location
+    assert error.source_line == "if x.sum() > 0:"
+    message = str(error)
+    assert location in message
+    assert "if x.sum() > 0:" in message
+    assert "root module" in message
+    assert isinstance(error, autockpt.AutockptError)
+
+
+def test_forced_fx_method_does_not_fall_back():
+    with pytest.raises(autockpt.TraceError):
+        _capture(RootShapeBranch(), _x(), method="fx")
+    with pytest.raises(ValueError, match="method"):
+        _capture(_mlp(), _x(), method="jit")
+
+
+class NoGradBufferUpdate(nn.Module):
+    """Updates a running buffer under ``torch.no_grad()`` inside forward (EMA codebooks,
+    momentum queues)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("center", torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        with torch.no_grad():
+            self.center.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return h - self.center
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "fx tracing runs `with torch.no_grad():` at trace time and records nothing for it, so "
+    "the captured graph updates the buffer with grad enabled: the buffer becomes part of "
+    "the autograd graph (requires_grad=True, a grad_fn), and the second training step fails "
+    "with 'Trying to backward through the graph a second time'"))
+def test_grad_mode_blocks_inside_forward_are_kept():
+    torch.manual_seed(0)
+    model, x = NoGradBufferUpdate(), _x()
+    cap = _capture(model, x)
+    for _ in range(2):
+        run_graph(cap, model, Inputs.of(x)).sum().backward()
+    assert not model.center.requires_grad
+    assert model.center.grad_fn is None
+
+
+# --------------------------------------------------------------------------------------------
+# inputs and outputs
+
+
+def test_kwargs_inputs_with_defaults_are_specialised():
+    torch.manual_seed(0)
+    model, x, y = KwargsModel(), _x(), _x()
+    cap = _capture(model, {"x": x, "y": y})
+    assert cap.method == "fx"
+    placeholders = [str(n.target) for n in cap.graph.nodes if n.op == "placeholder"]
+    assert placeholders == ["x", "y", "mask", "scale"]  # real names, not mask_1
+    expected = model(x, y)
+    torch.testing.assert_close(cap.graph_module(x=x, y=y), expected)
+    torch.testing.assert_close(cap.graph_module(y=y, x=x), expected)
+    torch.testing.assert_close(run_graph(cap, model, Inputs.of({"y": y, "x": x})), expected)
+    # mask was specialised to its default: passing a tensor now is refused, not ignored
+    with pytest.raises(AssertionError, match="mask"):
+        cap.graph_module(x=x, y=y, mask=torch.ones_like(x))
+
+
+def test_kwargs_input_errors():
+    model, x = KwargsModel(), _x()
+    with pytest.raises(TypeError, match="nope"):
+        _capture(model, {"x": x, "nope": x})
+    with pytest.raises(TypeError, match="'x'"):
+        _capture(model, {"y": x})
+
+
+def test_dataclass_output_traces():
+    torch.manual_seed(0)
+    model, x = DataclassModel(), _x()
+    cap = _capture(model, x)
+    assert cap.method == "fx"
+    out = cap.graph_module(x)
+    expected = model(x)
+    assert type(out) is Output
+    torch.testing.assert_close(out.logits, expected.logits)
+    torch.testing.assert_close(out.hidden, expected.hidden)
+
+
+def test_inputs_of_accepts_tensor_tuple_list_dict():
+    x, y = _x(), _x()
+    assert Inputs.of(x) == Inputs((x,), {})
+    assert Inputs.of((x, y)).args == (x, y)
+    assert Inputs.of([x, y]).args == (x, y)
+    given = Inputs.of({"x": x, "y": y})
+    assert given.args == () and given.kwargs == {"x": x, "y": y}
+    assert Inputs.of(given) is given
+    assert [id(t) for t in Inputs((x, 3), {"y": y}).tensors()] == [id(x), id(y)]
+
+
+@pytest.mark.parametrize("bad", [None, 3, 2.5, "x", {1, 2}])
+def test_inputs_of_rejects_other_types(bad):
+    with pytest.raises(TypeError, match="example_inputs"):
+        Inputs.of(bad)
+
+
+def test_input_signature_describes_shapes_and_dtypes():
+    a = Inputs.of((torch.zeros(2, 3), 4))
+    assert a.signature() == Inputs.of((torch.ones(2, 3), 4)).signature()
+    assert a.signature() != Inputs.of((torch.zeros(2, 4), 4)).signature()
+    assert a.signature() != Inputs.of((torch.zeros(2, 3, dtype=torch.float64), 4)).signature()
+    assert a.signature() != Inputs.of((torch.zeros(2, 3), 5)).signature()
+
+
+def test_given_input_names_follow_the_signature_order():
+    model, x = KwargsModel(), _x()
+    assert given_input_names(model, Inputs.of(x)) == ("x",)
+    assert given_input_names(model, Inputs.of((x, x))) == ("x", "y")
+    assert given_input_names(model, Inputs.of({"mask": x, "x": x})) == ("x", "mask")
+    assert given_input_names(model, Inputs((x,), {"mask": x})) == ("x", "mask")
+    assert given_input_names(model, Inputs((), {})) == ()
