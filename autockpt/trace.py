@@ -24,8 +24,8 @@ import functools
 import hashlib
 import inspect
 import io
-import logging
 import linecache
+import logging
 import os
 import sys
 import traceback
