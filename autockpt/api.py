@@ -130,36 +130,42 @@ class Planner:
             raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
         budget_bytes = int(budget_gb * GIB)
         problem = self.chain.problem
-        solver_budget = budget_bytes
+        underestimate = 0  # largest measured-minus-predicted peak seen so far
         checked: Measurement | None = None
         for _ in range(_VERIFY_ROUNDS):
-            solution = solve_chain(
-                problem.with_budget(solver_budget), method=solver, time_limit_s=time_limit_s,
-                breakdown=self.breakdown, scope=self.scope,
-            )
-            specs = _segment_specs(self.chain, self.profile, self.capture, solution)
-            result = rewrite(self.model, self.capture, specs)
+            try:
+                solution = solve_chain(
+                    problem.with_budget(budget_bytes - underestimate), method=solver,
+                    time_limit_s=time_limit_s, breakdown=self.breakdown, scope=self.scope,
+                )
+            except InfeasibleBudgetError as error:
+                if not underestimate:
+                    raise
+                raise self._measured_infeasible(budget_bytes, underestimate) from error
+            result = rewrite(self.model, self.capture,
+                             _segment_specs(self.chain, self.profile, self.capture, solution))
             if not verify:
                 break
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
-            overshoot = self._used(checked) - budget_bytes
-            if overshoot <= 0:
+            if self._used(checked) <= budget_bytes:
                 break
-            solver_budget -= overshoot
-        if checked is not None and self._used(checked) > budget_bytes:
-            excess = self._used(checked) - simulate(problem, solution.segments).peak_bytes
-            raise InfeasibleBudgetError(
-                budget_bytes, max(self.minimum_peak_bytes + excess, budget_bytes + 1),
-                self.breakdown, self.scope,
-                "The leanest plans the model predicts to fit measured above the budget; "
-                "raise the budget to the minimum stated.",
-            )
+            predicted = simulate(problem, solution.segments).peak_bytes
+            underestimate = max(underestimate + 1, self._used(checked) - predicted)
+        else:
+            raise self._measured_infeasible(budget_bytes, underestimate)
         result.plan = _make_plan(
-            self.model, self.capture, self.inputs, self.profile, self.chain,
-            solution,
+            self.model, self.capture, self.inputs, self.profile, self.chain, solution,
             budget_bytes, self.scope, self.calibration, checked, self.eager,
         )
         return result
+
+    def _measured_infeasible(self, budget_bytes: int, underestimate: int) -> InfeasibleBudgetError:
+        return InfeasibleBudgetError(
+            budget_bytes, max(self.minimum_peak_bytes + underestimate, budget_bytes + 1),
+            self.breakdown, self.scope,
+            f"Measured peaks ran up to {underestimate} bytes above the model's prediction, so "
+            "the leanest plan needs the minimum stated.",
+        )
 
     def _used(self, measurement: Measurement) -> int:
         if self.scope == "total":

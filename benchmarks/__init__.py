@@ -1,0 +1,1 @@
+"""Benchmarks: solver speed and quality, budget sweeps over the model zoo."""
