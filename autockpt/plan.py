@@ -116,7 +116,9 @@ class Plan:
                 f"schema_version {SCHEMA_VERSION}. Re-create the plan with `autockpt plan`."
             )
         try:
-            return _build(cls, data)
+            plan = _build(cls, data)
+            _check_semantics(plan)
+            return plan
         except (KeyError, TypeError, ValueError) as error:
             raise PlanFormatError(f"plan JSON is malformed: {error}") from error
 
@@ -166,6 +168,26 @@ class Plan:
                 f"{seg.recompute_seconds * 1e3:.2f} ms"
             )
         return "\n".join(lines)
+
+
+def _check_semantics(plan: Plan) -> None:
+    """What types alone cannot say: valid enumerations, segments inside the stage list."""
+    if plan.scope not in ("total", "activations"):
+        raise ValueError(f"scope must be 'total' or 'activations', got {plan.scope!r}")
+    if plan.capture_method not in ("fx", "fx+leaves", "export"):
+        raise ValueError(f"capture_method {plan.capture_method!r} is not fx, fx+leaves or export")
+    if plan.solver_status not in ("optimal", "feasible"):
+        raise ValueError(f"solver_status {plan.solver_status!r} is not optimal or feasible")
+    if plan.budget_bytes <= 0:
+        raise ValueError("budget_bytes must be positive")
+    previous_end = 0
+    for seg in plan.segments:
+        if not previous_end <= seg.start_stage < seg.end_stage <= len(plan.stages):
+            raise ValueError(
+                f"segment [{seg.start_stage}, {seg.end_stage}) is not a sorted, disjoint, "
+                f"non-empty range inside the {len(plan.stages)} stages"
+            )
+        previous_end = seg.end_stage
 
 
 def _build(cls: type, data: dict[str, Any]) -> Any:
