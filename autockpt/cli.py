@@ -1,4 +1,4 @@
-"""The ``autockpt`` command line: ``demo``, ``plan``, ``show``, ``verify``.
+"""The ``autockpt`` command line: ``demo``, ``plan``, ``show``, ``verify``, ``bench``.
 
 A model is named ``package.module:factory`` (importable from the current directory); the
 factory returns ``(model, example_inputs)``. Built-in factories live in ``autockpt.zoo``
@@ -106,6 +106,14 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     show.set_defaults(run=_show)
 
+    bench = sub.add_parser("bench", help="run a benchmark: solvers | budgets")
+    bench.add_argument("which", choices=("solvers", "budgets"),
+                       help="solvers: solve time and quality on synthetic and zoo chains; "
+                            "budgets: measured peak and step time across budgets on the zoo")
+    bench.add_argument("--quick", action="store_true", help="a short run")
+    bench.add_argument("--out", default=None, help="output folder (default out/<which>)")
+    bench.set_defaults(run=_bench)
+
     verify = sub.add_parser("verify", help="apply a plan to SPEC and check it against eager")
     verify.add_argument("spec")
     verify.add_argument("plan")
@@ -210,6 +218,28 @@ def _show(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     print(plan.to_json() if args.json else plan.summary())
+    return EXIT_OK
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Benchmarks live in the repository's ``benchmarks/`` folder (next to the package in a
+    source checkout), not in the installed package."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "__init__.py").exists():
+        raise SpecError(
+            "benchmarks/ not found next to the autockpt package: run `autockpt bench` from a "
+            "source checkout installed with `pip install -e .`"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module(
+        "benchmarks.solvers_bench" if args.which == "solvers" else "benchmarks.budgets"
+    )
+    out = Path(args.out or f"out/{args.which}")
+    module.run(args.quick, out)
+    print(f"wrote {out}/")
     return EXIT_OK
 
 
