@@ -124,8 +124,28 @@ def _line(row: dict) -> str:
             f"step {row['step_ratio']:.2f}x  segments {row['segments']}")
 
 
+def summary_markdown(rows: list[dict]) -> str:
+    """One table row per model and budget: budget, measured peaks, step-time ratio."""
+    lines = [
+        "| model | budget (MiB) | no-checkpoint peak (MiB) | plan peak (MiB) | predicted (MiB) "
+        "| within budget | segments | step time vs none |",
+        "|---|---:|---:|---:|---:|:-:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['budget_bytes'] / 2**20:.2f} | | | | error | | |")
+            continue
+        lines.append(
+            f"| {r['model']} | {r['budget_bytes'] / 2**20:.2f} | {r['eager_peak_bytes'] / 2**20:.2f} "
+            f"| {r['measured_peak_bytes'] / 2**20:.2f} | {r['predicted_peak_bytes'] / 2**20:.2f} "
+            f"| {'yes' if r['within_budget'] else 'NO'} | {r['segments']} | {r['step_ratio']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _write(rows: list[dict], out_dir: Path) -> None:
     (out_dir / "budgets.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out_dir / "summary.md").write_text(summary_markdown(rows))
     keys = sorted({k for row in rows for k in row})
     with open(out_dir / "budgets.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=keys)
