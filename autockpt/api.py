@@ -23,7 +23,7 @@ from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMisma
 from autockpt.measure import Measurement, measure
 from autockpt.plan import MemoryBreakdown, Plan, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
-from autockpt.profile import Profile, profile
+from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.runtime import LossFn
 from autockpt.solve import minimum_peak, no_checkpoint_peak, solve_chain
@@ -99,6 +99,7 @@ class Planner:
         chain = build_chain(
             self.capture, self.profile, max_stages=max_stages,
             static_bytes=0 if scope == "activations" else None,
+            segment_overhead_seconds=checkpoint_overhead_seconds(torch.device(self.profile.device)),
         )
         if scope == "activations":
             zeros = tuple(0 for _ in chain.problem.param_grad_bytes)

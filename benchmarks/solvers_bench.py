@@ -11,6 +11,11 @@ Chains (deterministic, see the generators below): ``uniform`` (identical stages)
 minimum feasible peak to its no-checkpoint peak. ``ilp`` only runs up to 200 stages, with
 a time limit.
 
+When ``benchmarks/zoo_chains.json`` (chains profiled from the model zoo, see
+``benchmarks/zoo_chains.py``) is present, each of its chains is run too at the same budget
+fractions and reported in a table of its own (the size tables and plots cover the
+synthetic chains only).
+
 Writes ``results.json``, ``results.csv``, ``summary.md``, ``solve_time.png`` (median solve
 time vs stages per method, log-log) and ``relative_cost.png`` (recompute time relative to
 dp's optimum per budget fraction) to ``--out`` (default ``out/solvers/``).
@@ -100,36 +105,54 @@ def run(quick: bool, out_dir: pathlib.Path) -> list[dict]:
     started = time.perf_counter()
     for chain_name, make in CHAINS.items():
         for n in sizes:
-            base = make(n, 0)
-            t0 = time.perf_counter()
-            least, _ = minimum_peak_bytes(base)
-            min_peak_s = time.perf_counter() - t0
-            most = simulate(base, []).peak_bytes
-            for fraction in FRACTIONS:
-                problem = base.with_budget(least + int(fraction * (most - least)))
-                rows = []
-                for method in METHOD_ORDER:
-                    if method == "ilp" and n > ILP_MAX_STAGES:
-                        continue
-                    cpu0 = time.process_time()
-                    sol = solve(problem, method, time_limit_s=limits[method])
-                    cpu = time.process_time() - cpu0
-                    rows.append({
-                        "chain": chain_name, "stages": n, "budget_fraction": fraction,
-                        "budget_bytes": problem.budget_bytes, "min_peak_bytes": least,
-                        "no_checkpoint_peak_bytes": most, "min_peak_seconds": min_peak_s,
-                        "method": method, "answered_by": sol.method, "status": sol.status,
-                        "solve_seconds": sol.solve_seconds, "cpu_seconds": cpu,
-                        "time_limit_s": limits[method],
-                        "recompute_seconds": sol.recompute_seconds, "peak_bytes": sol.peak_bytes,
-                        "segments": len(sol.segments), "gap": sol.gap,
-                    })
-                optimum = next(r for r in rows if r["method"] == "dp")
-                for r in rows:
-                    r["relative_cost"] = _relative(r, optimum)
-                records.extend(rows)
-                _progress(rows, started)
+            records.extend(_bench_chain(chain_name, "synthetic", make(n, 0), limits, started))
+    for name, problem in _zoo_chains().items():
+        records.extend(_bench_chain(name, "zoo", problem, limits, started))
     _write(records, out_dir, quick)
+    return records
+
+
+def _zoo_chains() -> dict[str, ChainProblem]:
+    """Chains profiled from the model zoo (``benchmarks/zoo_chains.json``), if present."""
+    try:
+        from benchmarks.zoo_chains import load
+    except ImportError:
+        return {}
+    return load()
+
+
+def _bench_chain(chain_name: str, family: str, base: ChainProblem,
+                 limits: dict[str, float | None], started: float) -> list[dict]:
+    """Every method at every budget fraction of one chain."""
+    n = base.num_stages
+    t0 = time.perf_counter()
+    least, _ = minimum_peak_bytes(base)
+    min_peak_s = time.perf_counter() - t0
+    most = simulate(base, []).peak_bytes
+    records: list[dict] = []
+    for fraction in FRACTIONS:
+        problem = base.with_budget(least + int(fraction * (most - least)))
+        rows = []
+        for method in METHOD_ORDER:
+            if method == "ilp" and n > ILP_MAX_STAGES:
+                continue
+            cpu0 = time.process_time()
+            sol = solve(problem, method, time_limit_s=limits[method])
+            cpu = time.process_time() - cpu0
+            rows.append({
+                "chain": chain_name, "family": family, "stages": n,
+                "budget_fraction": fraction, "budget_bytes": problem.budget_bytes,
+                "min_peak_bytes": least, "no_checkpoint_peak_bytes": most,
+                "min_peak_seconds": min_peak_s, "method": method, "answered_by": sol.method,
+                "status": sol.status, "solve_seconds": sol.solve_seconds, "cpu_seconds": cpu,
+                "time_limit_s": limits[method], "recompute_seconds": sol.recompute_seconds,
+                "peak_bytes": sol.peak_bytes, "segments": len(sol.segments), "gap": sol.gap,
+            })
+        optimum = next(r for r in rows if r["method"] == "dp")
+        for r in rows:
+            r["relative_cost"] = _relative(r, optimum)
+        records.extend(rows)
+        _progress(rows, started)
     return records
 
 
@@ -161,9 +184,10 @@ def _environment(quick: bool) -> dict:
     }
 
 
-def _write(records: list[dict], out_dir: pathlib.Path, quick: bool) -> None:
+def _write(records: list[dict], out_dir: pathlib.Path, quick: bool,
+           environment: dict | None = None) -> None:
     (out_dir / "results.json").write_text(json.dumps(
-        {"environment": _environment(quick), "records": records}, indent=1))
+        {"environment": environment or _environment(quick), "records": records}, indent=1))
     with open(out_dir / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(records[0]))
         writer.writeheader()
@@ -176,8 +200,15 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def _synthetic(records: list[dict]) -> list[dict]:
+    return [r for r in records if r.get("family", "synthetic") == "synthetic"]
+
+
 def summary_markdown(records: list[dict]) -> str:
-    """Markdown tables: median solve time per method and size; relative cost per budget."""
+    """Markdown tables: median solve time per method and size; relative cost per budget
+    (synthetic chains), then one row per zoo chain."""
+    zoo = [r for r in records if r.get("family") == "zoo"]
+    records = _synthetic(records)
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in records)]
     sizes = sorted({r["stages"] for r in records})
     lines = ["Median wall-clock solve time in seconds (over chain types and budgets; "
@@ -190,6 +221,30 @@ def summary_markdown(records: list[dict]) -> str:
             ts = [r["solve_seconds"] for r in records if r["stages"] == n and r["method"] == m]
             cells.append(f"{_median(ts):.3g}" if ts else "n/a")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "dp wall-clock solve time per chain type, median (max) over budgets, "
+              "seconds:", "",
+              "| stages | " + " | ".join(CHAINS) + " |", "|---:|" + "---:|" * len(CHAINS)]
+    for n in sizes:
+        cells = []
+        for chain in CHAINS:
+            ts = [r["solve_seconds"] for r in records
+                  if r["stages"] == n and r["method"] == "dp" and r["chain"] == chain]
+            cells.append(f"{_median(ts):.3g} ({max(ts):.3g})" if ts else "n/a")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    ilp_rows = [r for r in records if r["method"] == "ilp"]
+    if ilp_rows:
+        lines += ["", "ilp per chain type (time limit "
+                  f"{ilp_rows[0]['time_limit_s']} s): proved optimal / runs, median "
+                  "wall-clock seconds:", "",
+                  "| stages | " + " | ".join(CHAINS) + " |", "|---:|" + "---:|" * len(CHAINS)]
+        for n in sorted({r["stages"] for r in ilp_rows}):
+            cells = []
+            for chain in CHAINS:
+                rows = [r for r in ilp_rows if r["stages"] == n and r["chain"] == chain]
+                proved = sum(r["status"] == "optimal" for r in rows)
+                cells.append(f"{proved}/{len(rows)}, "
+                             f"{_median([r['solve_seconds'] for r in rows]):.3g}")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", "Recompute time relative to dp's optimum, median (max) over chain types and "
               "sizes; `inf` = baseline plan does not fit (its relative cost is unbounded), "
               "shown as the share of runs that did not fit:", "",
@@ -213,7 +268,36 @@ def summary_markdown(records: list[dict]) -> str:
     for m in methods:
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(statuses[m].items()))
         lines.append(f"- `{m}`: {counts}")
+    if zoo:
+        lines += ["", _zoo_markdown(zoo)]
     return "\n".join(lines) + "\n"
+
+
+def _zoo_markdown(zoo: list[dict]) -> str:
+    """One row per zoo chain: dp / ilp times and baseline costs over the budget fractions."""
+    lines = ["Zoo chains (profiled models), over the budget fractions: dp median time, ilp "
+             "proved / runs and median time, greedy and sqrt recompute time relative to dp "
+             "(median, max):", "",
+             "| chain | stages | dp s | ilp | greedy | sqrt |", "|---|---:|---:|---:|---:|---:|"]
+    for chain in sorted({r["chain"] for r in zoo}):
+        rows = [r for r in zoo if r["chain"] == chain]
+
+        def of(method: str, rows: list[dict] = rows) -> list[dict]:
+            return [r for r in rows if r["method"] == method]
+
+        def rel(method: str) -> str:
+            vals = [r["relative_cost"] for r in of(method) if r["relative_cost"] is not None]
+            misses = sum(r["status"] == "infeasible" for r in of(method))
+            cell = f"{_median(vals):.3f}, {max(vals):.3f}" if vals else "-"
+            return cell + (f" ({misses} over budget)" if misses else "")
+
+        ilp = of("ilp")
+        ilp_cell = (f"{sum(r['status'] == 'optimal' for r in ilp)}/{len(ilp)}, "
+                    f"{_median([r['solve_seconds'] for r in ilp]):.3g} s") if ilp else "n/a"
+        dp_s = _median([r["solve_seconds"] for r in of("dp")])
+        lines.append(f"| {chain} | {rows[0]['stages']} | {dp_s:.3g} | {ilp_cell} | "
+                     f"{rel('greedy')} | {rel('sqrt')} |")
+    return "\n".join(lines)
 
 
 def _plot(records: list[dict], out_dir: pathlib.Path) -> None:
@@ -222,6 +306,7 @@ def _plot(records: list[dict], out_dir: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = _synthetic(records)
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in records)]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m in methods:
@@ -255,6 +340,7 @@ def _plot(records: list[dict], out_dir: pathlib.Path) -> None:
                     ys.append(_median(rel))
             ax.plot(xs, ys, marker="o", label=m)
         ax.set_title(chain)
+        ax.set_yscale("log")
         ax.set_xlabel("budget fraction (min peak -> no-checkpoint peak)")
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("recompute time / dp optimum (median over sizes)")
@@ -264,13 +350,23 @@ def _plot(records: list[dict], out_dir: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def rewrite(out_dir: pathlib.Path) -> list[dict]:
+    """Regenerate CSV, summary and plots from an existing ``results.json``."""
+    data = json.loads((pathlib.Path(out_dir) / "results.json").read_text())
+    env = data["environment"]
+    _write(data["records"], pathlib.Path(out_dir), bool(env.get("quick")), env)
+    return data["records"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 200 stages only")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/solvers"),
                         help="output directory (default: out/solvers)")
+    parser.add_argument("--rewrite", action="store_true",
+                        help="only regenerate tables and plots from OUT/results.json")
     args = parser.parse_args(argv)
-    records = run(args.quick, args.out)
+    records = rewrite(args.out) if args.rewrite else run(args.quick, args.out)
     print(summary_markdown(records))
     print(f"wrote {len(records)} records to {args.out}")
     return 0

@@ -121,28 +121,48 @@ class CostScale:
 
     ``key = cost_ticks * base + segments``: comparing keys compares recompute cost first
     (quantised to ``tick`` seconds) and then the number of segments. ``tick`` is chosen so
-    that the most expensive plan costs ``2**61 / base`` ticks (keys stay below ``2**62``);
-    the rounding error per stage is at most ``tick / 2``, i.e. below ``1e-15`` of the
-    total forward time for ``L < 4096``, about float64 rounding level.
+    that the most expensive plan costs at most ``2**50`` ticks (exact in float64; keys stay
+    below ``2**62``); the rounding error per stage is at most ``tick / 2``, i.e. below
+    ``5e-16`` of the total forward time, about float64 rounding level.
     """
 
     tick: float
     base: int
     f_ticks: np.ndarray  # prefix sums of per-stage ticks, length L + 1
     overhead_ticks: int
+    quantum: int = 1  # every plan's cost in ticks is a multiple of this (gcd of the ticks)
 
     @classmethod
     def of(cls, problem: ChainProblem) -> CostScale:
         n = problem.num_stages
         base = 1 << max(1, (n + 1).bit_length())
-        budget_ticks = (1 << 61) // base
-        total = math.fsum(problem.forward_seconds) + problem.segment_overhead_seconds * n
+        # <= 2**50 ticks keeps every cost (and bound) an exact float64 integer, and
+        # ``ticks * base`` below 2**62.
+        budget_ticks = min((1 << 61) // base, 1 << 50)
+        seconds = np.asarray(problem.forward_seconds, dtype=np.float64)
+        overhead_s = problem.segment_overhead_seconds
+        total = math.fsum(problem.forward_seconds) + overhead_s * n
         tick = total / budget_ticks if total > 0 else 1.0
-        f = np.rint(np.asarray(problem.forward_seconds, dtype=np.float64) / tick).astype(np.int64)
+        f = np.rint(seconds / tick).astype(np.int64)
         prefix = np.zeros(n + 1, dtype=np.int64)
         prefix[1:] = np.cumsum(f)
-        overhead = round(problem.segment_overhead_seconds / tick)
-        return cls(tick=tick, base=base, f_ticks=prefix, overhead_ticks=overhead)
+        overhead = round(overhead_s / tick)
+        quantum = int(np.gcd.reduce(np.append(f, overhead)))
+        return cls(tick=tick, base=base, f_ticks=prefix, overhead_ticks=overhead,
+                   quantum=max(1, quantum))
+
+    def round_up(self, ticks: np.ndarray) -> np.ndarray:
+        """Lower bounds on plan costs raised to the next multiple of :attr:`quantum`.
+
+        Valid because every plan's cost is such a multiple; it matters for chains with
+        repeated identical stages, where it turns "within one stage of the optimum" into
+        "at the optimum" and prunes accordingly.
+        """
+        if self.quantum <= 1:
+            return ticks
+        # ``ticks / quantum`` is below 2**50 and off by at most 1/16 after rounding; the
+        # 0.25 slack keeps the result <= the true next multiple.
+        return np.ceil(ticks / self.quantum - 0.25) * self.quantum
 
     def segment_keys(self, p: int, q: np.ndarray | int) -> np.ndarray:
         """Keys of segments ``[p, q)`` for an array (or scalar) of ends ``q``."""
@@ -150,3 +170,4 @@ class CostScale:
 
     def plan_key(self, segments: Sequence[tuple[int, int]]) -> int:
         return sum(int(self.segment_keys(p, q)) for p, q in segments)
+

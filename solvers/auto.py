@@ -10,9 +10,9 @@ Every path ends in :func:`solvers.solution.make_solution`, so every answer is re
 2. ``greedy`` and ``sqrt`` (fast); the cheaper fitting one is the incumbent;
 3. ``dp`` with the incumbent as upper bound, until 70% of the time limit; if it finishes
    its answer is optimal;
-4. otherwise ``ilp``, warm-started from the best plan so far (dp's own incumbent or the
-   heuristics'), for the remaining time, unless the model would be too large to build in
-   that time (then step 4 is skipped);
+4. otherwise ``ilp`` for the remaining time, seeded with the best plan so far (dp's own
+   incumbent or the heuristics'; see :mod:`solvers.ilp` for how it is used), up to
+   400 stages (beyond, building the model would eat the time limit);
 5. the cheapest fitting plan seen, ``feasible`` with the ILP's gap when it has a bound.
 """
 
@@ -38,8 +38,9 @@ METHODS = ("auto", "dp", "ilp", "sqrt", "greedy")
 
 Plan = list[tuple[int, int]]
 
-# ``auto`` leaves the ILP out when its model would have more candidate units than this:
-# building a PuLP model costs roughly 20-50 us per unit before CBC even starts.
+# ``auto`` only falls back to the ILP up to this many stages: beyond it the candidate set
+# (up to L * W units) makes building the PuLP model alone a large share of the time limit,
+# while dp's own incumbent is already near-optimal there.
 _AUTO_ILP_MAX_STAGES = 400
 _DP_SHARE = 0.7
 

@@ -21,8 +21,8 @@ contribution, which gives
 
 * a cheap, strong pruning rule: the slack ``budget - static - H`` left for the prefix is
   exactly what the Lagrangian prefix bound of :mod:`solvers.bounds` needs (this is what
-  makes 1000+ stages tractable: the largest front above drops from 3,754 to a few
-  hundred labels);
+  makes 1000+ stages tractable: with it and the beam upper bound below, the instance
+  above peaks at 26 labels, 1,658 in total);
 * a meaningful tie-break for free: among cheapest plans the one with the lowest peak;
 * exact ties decided on the *first* unit, i.e. lexicographically (see below).
 
@@ -77,12 +77,17 @@ contains knapsack); measured sizes and times are in ``docs/solvers.md``.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from ._kernels import ChainArrays, CostScale
-from .bounds import PrefixCostBound, plan_from_choice, prefix_min_stored, suffix_min_peaks
+from .bounds import (
+    PrefixCostBound,
+    SearchTimeout,
+    check_deadline,
+    plan_from_choice,
+    prefix_min_stored,
+    suffix_min_peaks,
+)
 
 __all__ = ["optimal_plan", "DPStats", "SearchTimeout"]
 
@@ -111,7 +116,7 @@ class _Store:
     _LABEL_COLS = (("h", np.int64), ("k", np.int64), ("pos", np.int64), ("end", np.int64),
                    ("seg", bool), ("child", np.int64))
     _CHUNK_COLS = (("c_start", np.int64), ("c_len", np.int64), ("c_pos", np.int64),
-                   ("c_hmin", np.int64), ("c_hmax", np.int64), ("c_kmin", np.float64))
+                   ("c_hmin", np.int64), ("c_hmax", np.int64), ("c_kmin", np.int64))
 
     def __init__(self, capacity: int) -> None:
         for name, dtype in self._LABEL_COLS + self._CHUNK_COLS:
@@ -130,7 +135,7 @@ class _Store:
             setattr(self, name, new)
 
     def append(self, pos: int, h: np.ndarray, k: np.ndarray, end: np.ndarray,
-               seg: np.ndarray, child: np.ndarray, base: int) -> None:
+               seg: np.ndarray, child: np.ndarray) -> None:
         m = len(h)
         need = self.size + m
         self._grow(self._LABEL_COLS, self.size, need)
@@ -147,7 +152,7 @@ class _Store:
         self.c_pos[cs] = pos
         self.c_hmin[cs] = h[first]
         self.c_hmax[cs] = h[last]
-        self.c_kmin[cs] = k[last] // base
+        self.c_kmin[cs] = k[last]
         self.size = need
         self.c_size = c_need
 
@@ -200,14 +205,14 @@ def optimal_plan(
     if int(min_peaks[0]) > headroom:
         return None
     msp = prefix_min_stored(arrays, headroom)
-    bound = PrefixCostBound.tuned(arrays, cost.f_ticks, cost.overhead_ticks, headroom, msp)
     # The minimum-peak plan fits, so its cost is always a valid first upper bound.
     incumbent = plan_from_choice(choice)
     limit = cost.plan_key(incumbent)
     if upper_key is not None:
         limit = min(limit, int(upper_key))
     try:
-        _check(deadline)
+        bound = PrefixCostBound.tuned(arrays, cost.f_ticks, cost.overhead_ticks, headroom, msp,
+                                      deadline)
         for beam in _BEAMS:
             found = _search(arrays, cost, headroom, msp, bound, limit, beam, deadline, None)
             if found is not None and cost.plan_key(found) <= limit:
@@ -218,15 +223,6 @@ def optimal_plan(
         raise
 
 
-class SearchTimeout(TimeoutError):
-    """The deadline passed. ``incumbent``: best fitting plan found so far (if any)."""
-
-    incumbent: list[tuple[int, int]] | None = None
-
-
-def _check(deadline: float | None) -> None:
-    if deadline is not None and time.perf_counter() > deadline:
-        raise SearchTimeout("dp exceeded its time limit")
 
 
 def _search(
@@ -244,17 +240,21 @@ def _search(
     n = arrays.n
     a, s = arrays.a, arrays.s
     limit_ticks = limit // cost.base
-    allow = limit_ticks + 1e-9 * limit_ticks + 1.0  # float slack for the bound's rounding
     cutoff_ticks = limit_ticks - cost.overhead_ticks
+
+    def least_key(p: int, h: np.ndarray) -> np.ndarray:
+        """Least key any prefix can add to a suffix needing headroom ``h`` (>= 0 segments)."""
+        ticks = np.ceil(np.clip(bound(p, h), 0.0, float(limit_ticks + 1)))
+        return cost.round_up(ticks).astype(np.int64) * cost.base
 
     store = _Store(max(1024, 8 * n))
     offset = np.zeros(n + 1, dtype=np.int64)    # first label of front(p)
     c_offset = np.zeros(n + 1, dtype=np.int64)  # first chunk of front(p)
     store.append(n, np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, -1),
-                 np.zeros(1, bool), np.full(1, -1), cost.base)
+                 np.zeros(1, bool), np.full(1, -1))
 
     for p in range(n - 1, -1, -1):
-        _check(deadline)
+        check_deadline(deadline)
         hi = store.size
         offset[p] = hi
         c_offset[p] = store.c_size
@@ -273,7 +273,9 @@ def _search(
         c_hmin = store.c_hmin[clo:chi] + a[p]
         h_lo = np.maximum(c_loc, c_hmin)
         # Discard chunks whose least cost and least headroom already exceed the limit.
-        c_ok = (h_lo <= cap) & (store.c_kmin[clo:chi] + seg_ticks[c_col] + bound(p, h_lo) <= allow)
+        seg_keys = seg_ticks * cost.base + 1
+        c_ok = (h_lo <= cap) & (store.c_kmin[clo:chi] + seg_keys[c_col] + least_key(p, h_lo)
+                                <= limit)
         # Reversed: fronts are stored for q descending; candidates must come in the
         # tie-break order (segments by q ascending, then keep) for the stable sort below.
         c_sel = (np.flatnonzero(c_ok) + clo)[::-1]
@@ -300,8 +302,10 @@ def _search(
         cand_child = np.concatenate((idx[seg_sel], keep_sel + klo))
         cand_seg = np.zeros(len(cand_h), dtype=bool)
         cand_seg[:len(seg_sel)] = True
-        est = (cand_k // cost.base).astype(np.float64) + bound(p, cand_h)
-        alive = np.flatnonzero(est <= allow)
+        # A label whose best completion is worse than the known plan in (cost, segments)
+        # cannot lead to the answer; equal ones stay for the peak/lexicographic tie-break.
+        est = cand_k + least_key(p, cand_h)
+        alive = np.flatnonzero(est <= limit)
         if len(alive) == 0:
             continue
         if len(alive) < len(cand_h):
@@ -313,8 +317,7 @@ def _search(
             # plan, so a feasible answer survives) and the best estimated totals.
             best = np.argsort(est[sel[1:]], kind="stable")[:beam - 1] + 1
             sel = sel[np.sort(np.concatenate(([0], best)))]
-        store.append(p, cand_h[sel], cand_k[sel], cand_end[sel], cand_seg[sel], cand_child[sel],
-                     cost.base)
+        store.append(p, cand_h[sel], cand_k[sel], cand_end[sel], cand_seg[sel], cand_child[sel])
         if stats is not None:
             stats.candidates += len(cand_h)
             stats.max_front = max(stats.max_front, len(sel))

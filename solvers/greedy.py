@@ -34,7 +34,7 @@ everything. So the best fitting plans are then repaired greedily: release whole 
 its end and from its start by the largest amount (binary search) that still fits. Every
 accepted step keeps the plan within budget, so the repair never breaks feasibility.
 
-Complexity: the sweep evaluates ``O(G)`` thresholds (``G`` about 90), each in
+Complexity: the sweep evaluates ``O(G)`` thresholds (``G`` about 180), each in
 ``O(S log L + L)`` for ``S`` segments; the repair does ``O(S log L)`` evaluations of
 ``O(L)`` each. Fits are checked with the vectorised peak of :mod:`solvers._kernels`
 (equal to :func:`solvers.chain.simulate`'s peak).
