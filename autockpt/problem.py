@@ -36,7 +36,6 @@ class Chain:
     node_names: tuple[str, ...]
     problem: ChainProblem
     boundary_storages: tuple[frozenset[int], ...]
-    tail_bytes: int
 
     @property
     def num_stages(self) -> int:
@@ -92,6 +91,7 @@ def build_chain(
             nbytes(shared[k])
             + _stage_transient(profile, last_use, start, end, stage_saved, boundary[k] | out_boundary)
         )
+    # The model's output and its gradient live from the end of forward into backward.
     tail = 2 * profile.output_bytes
     static = profile.static_bytes if static_bytes is None else static_bytes
     problem = ChainProblem(
@@ -105,7 +105,7 @@ def build_chain(
         transient_bytes=transient,
         segment_overhead_seconds=segment_overhead_seconds,
     )
-    return Chain(stages, tuple(node.name for node in nodes), problem, boundary, tail)
+    return Chain(stages, tuple(node.name for node in nodes), problem, boundary)
 
 
 def _attribute_saved(
