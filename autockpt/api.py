@@ -143,8 +143,8 @@ class Planner:
                 if not underestimate:
                     raise
                 raise self._measured_infeasible(budget_bytes, underestimate) from error
-            result = rewrite(self.model, self.capture,
-                             _segment_specs(self.chain, self.profile, self.capture, solution))
+            specs = _segment_specs(self.chain, self.profile, self.capture, solution)
+            result = rewrite(self.model, self.capture, specs)
             if not verify:
                 break
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
@@ -154,10 +154,7 @@ class Planner:
             underestimate = max(underestimate + 1, self._used(checked) - predicted)
         else:
             raise self._measured_infeasible(budget_bytes, underestimate)
-        result.plan = _make_plan(
-            self.model, self.capture, self.inputs, self.profile, self.chain, solution,
-            budget_bytes, self.scope, self.calibration, checked, self.eager,
-        )
+        result.plan = _make_plan(self, solution, specs, budget_bytes, checked)
         return result
 
     def _measured_infeasible(self, budget_bytes: int, underestimate: int) -> InfeasibleBudgetError:
@@ -283,14 +280,17 @@ def _buffers_used(nodes: Sequence[torch.fx.Node], mutated: set[str]) -> tuple[st
 
 
 def _make_plan(
-    model: nn.Module, captured: Capture, inputs: Inputs, prof: Profile, chain: Chain,
-    solution: Solution, budget_bytes: int, scope: str, calibration: int,
-    checked: Measurement | None, eager: Measurement | None,
+    planner: Planner, solution: Solution, specs: list[SegmentSpec], budget_bytes: int,
+    checked: Measurement | None,
 ) -> Plan:
+    """The plan's record of one solution, from what the planner already computed."""
+    model, captured, inputs, prof, chain = (
+        planner.model, planner.capture, planner.inputs, planner.profile, planner.chain
+    )
+    eager = planner.eager
     problem = chain.problem
     names = chain.node_names
     simulation = simulate(problem, solution.segments)
-    specs = _segment_specs(chain, prof, captured, solution)
     segments = []
     for (start, end), spec in zip(solution.segments, specs, strict=True):
         saved = sum(problem.saved_bytes[start:end])
@@ -310,8 +310,8 @@ def _make_plan(
     step = (eager.step_seconds if eager is not None else prof.step_seconds)
     step_with = step + simulation.recompute_seconds
     notes = list(captured.warnings)
-    if calibration:
-        notes.append(f"calibrated: +{calibration} bytes the graph profile does not see")
+    if planner.calibration:
+        notes.append(f"calibrated: +{planner.calibration} bytes the graph profile does not see")
     return Plan(
         model=type(model).__name__,
         graph_fingerprint=captured.fingerprint(),
@@ -322,15 +322,15 @@ def _make_plan(
         num_nodes=len(names),
         stages=tuple((names[a], names[b - 1]) for a, b in chain.stages),
         budget_bytes=budget_bytes,
-        scope=scope,
+        scope=planner.scope,
         solver=solution.method,
         solver_status=solution.status,
         solve_seconds=solution.solve_seconds,
         solver_gap=solution.gap,
         segments=tuple(segments),
         predicted_peak_bytes=simulation.peak_bytes,
-        no_checkpoint_peak_bytes=simulate(problem, []).peak_bytes,
-        minimum_peak_bytes=minimum_peak(problem),
+        no_checkpoint_peak_bytes=planner.no_checkpoint_peak_bytes,
+        minimum_peak_bytes=planner.minimum_peak_bytes,
         predicted_recompute_seconds=simulation.recompute_seconds,
         predicted_step_seconds=step_with,
         recompute_fraction=simulation.recompute_seconds / step_with if step_with > 0 else 0.0,
@@ -342,7 +342,7 @@ def _make_plan(
             kept_activations=kept,
             no_checkpoint_activations=sum(problem.saved_bytes),
         ),
-        calibration_bytes=calibration,
+        calibration_bytes=planner.calibration,
         measured_peak_bytes=checked.peak_bytes if checked is not None else None,
         measured_step_seconds=checked.step_seconds if checked is not None else None,
         device=prof.device,

@@ -222,8 +222,9 @@ def normalize_segments(segments: Iterable[Sequence[int]], num_stages: int) -> li
     return out
 
 
-def _units(segments: list[Segment], num_stages: int) -> list[tuple[int, int, bool]]:
-    """Split the chain into ``(start, end, is_segment)`` units, in stage order."""
+def plan_units(segments: Sequence[Sequence[int]], num_stages: int) -> list[tuple[int, int, bool]]:
+    """Split the chain into ``(start, end, is_segment)`` units, in stage order: each stage
+    outside ``segments`` is a kept unit of its own."""
     units: list[tuple[int, int, bool]] = []
     k = 0
     for start, end in segments:
@@ -250,7 +251,7 @@ def simulate(problem: ChainProblem, segments: Iterable[Sequence[int]]) -> Simula
     for k in range(n - 1, -1, -1):
         g_suffix[k] = g_suffix[k + 1] + problem.param_grad_bytes[k]
     static = problem.static_bytes
-    units = _units(segs, n)
+    units = plan_units(segs, n)
 
     timeline: list[tuple[str, int, int]] = []
     before = 0

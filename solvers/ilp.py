@@ -77,6 +77,7 @@ import pulp
 
 from ._kernels import ChainArrays, CostScale
 from .bounds import UNREACHABLE, PrefixCostBound, prefix_min_stored, suffix_min_peaks
+from .chain import plan_units
 
 __all__ = ["IlpResult", "ilp_plan", "DEFAULT_TIME_LIMIT_S"]
 
@@ -267,7 +268,7 @@ def ilp_plan(
 def _set_warm_start(units, x, prefix, ending, plan, n: int, byte_scale: float) -> bool:
     """Give CBC ``plan`` as MIP start; ``False`` if a unit of it was pruned."""
     index = {(i, j, seg): u for u, (i, j, seg, *_r) in enumerate(units)}
-    chosen = _warm_units(plan, n)
+    chosen = plan_units(plan, n)
     if not all(key in index for key in chosen):
         return False
     picked = {index[key] for key in chosen}
@@ -278,17 +279,6 @@ def _set_warm_start(units, x, prefix, ending, plan, n: int, byte_scale: float) -
         running += sum(units[u][3] for u in ending[b] if u in picked)
         prefix[b].setInitialValue(running / byte_scale)
     return True
-
-
-def _warm_units(plan: list[tuple[int, int]], n: int) -> list[tuple[int, int, bool]]:
-    out: list[tuple[int, int, bool]] = []
-    k = 0
-    for p, q in plan:
-        out.extend((m, m + 1, False) for m in range(k, p))
-        out.append((p, q, True))
-        k = q
-    out.extend((m, m + 1, False) for m in range(k, n))
-    return out
 
 
 def _decode(picked, n: int) -> list[tuple[int, int]] | None:
