@@ -26,9 +26,11 @@ from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
 from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.runtime import LossFn
-from autockpt.solve import minimum_peak, no_checkpoint_peak, solve_chain
+from autockpt.simulate import record_trace
+from autockpt.simulate import simulate as simulate_plan
+from autockpt.solve import minimum_peak, no_checkpoint_peak
 from autockpt.trace import Capture, Inputs, capture, given_input_names
-from solvers import Solution, simulate
+from solvers import METHODS, Solution, simulate, solve
 
 SCOPES = ("total", "activations")
 _VERIFY_ROUNDS = 4
@@ -106,17 +108,80 @@ class Planner:
             chain = dataclasses.replace(
                 chain, problem=dataclasses.replace(chain.problem, param_grad_bytes=zeros)
             )
+        self.chain = chain
+        # The plan simulator: one eager step's allocations, replayed under each plan.
+        self.trace = record_trace(model, self.capture, self.inputs, loss_fn=loss_fn)
         self.eager = measure(model, self.inputs, loss_fn=loss_fn, repeat=3) if calibrate else None
         self.calibration = 0
         if self.eager is not None:
-            self.calibration = max(0, self._used(self.eager) - no_checkpoint_peak(chain))
-        problem = dataclasses.replace(
-            chain.problem, static_bytes=chain.problem.static_bytes + self.calibration
-        )
-        self.chain = dataclasses.replace(chain, problem=problem)
-        self.no_checkpoint_peak_bytes = no_checkpoint_peak(self.chain)
-        self.minimum_peak_bytes = minimum_peak(self.chain.problem)
+            self.calibration = max(
+                0, self.eager.peak_bytes - simulate_plan(self.trace, []).peak_bytes
+            )
+        self._stage_floor = minimum_peak(chain.problem)
+        self._stage_ceiling = no_checkpoint_peak(chain)
+        self._solutions: dict[tuple[int, str], Solution] = {}
+        self.no_checkpoint_peak_bytes = self.predict([])
+        leanest = self._leanest_solution()
+        self.minimum_peak_bytes = self.predict(leanest.segments)
+        # The stated minimum is a promise too: when calibrating, the leanest plan is also
+        # measured once, and the minimum is whichever of prediction and measurement is higher.
+        self._leanest_measured: int | None = None
+        if self.eager is not None and leanest.segments:
+            specs = _segment_specs(self.chain, self.profile, self.capture, leanest)
+            lean = measure(rewrite(model, self.capture, specs), self.inputs, loss_fn=loss_fn, repeat=1)
+            self._leanest_measured = self._used(lean)
+            self.minimum_peak_bytes = max(self.minimum_peak_bytes, self._leanest_measured)
         self.breakdown = _breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
+
+    def predict(self, segments: Sequence[tuple[int, int]]) -> int:
+        """Predicted peak (in the planner's scope) of a plan given as stage ranges: the
+        simulator's replay plus the calibration offset."""
+        node_ranges = [self.chain.node_range(start, end) for start, end in segments]
+        total = simulate_plan(self.trace, node_ranges).peak_bytes + self.calibration
+        if self.scope == "total":
+            return total
+        return total - self.profile.static_bytes - self.profile.param_grad_bytes
+
+    def _solve_at(self, solver_budget: int, solver: str, time_limit_s: float) -> Solution:
+        key = (solver_budget, solver)
+        if key not in self._solutions:
+            self._solutions[key] = solve(
+                self.chain.problem.with_budget(solver_budget), method=solver,
+                time_limit_s=time_limit_s,
+            )
+        return self._solutions[key]
+
+    def _leanest_solution(self) -> Solution:
+        return self._solve_at(self._stage_floor, "dp", None)
+
+    def _search(self, budget_bytes: int, solver: str, time_limit_s: float) -> Solution:
+        """The least-recompute solution whose *simulated* peak fits ``budget_bytes``.
+
+        Solvers optimise the stage-level chain model, which over-estimates; the simulator
+        is the judge. The solver's budget is therefore searched (bisection between the
+        stage model's leanest and no-checkpoint peaks) for the largest one whose answer the
+        simulator accepts. Raises :class:`InfeasibleBudgetError` with the simulated peak of
+        the leanest plan when not even that fits.
+        """
+        if not solver in METHODS:  # noqa: E713
+            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(METHODS)}")
+        if self.no_checkpoint_peak_bytes <= budget_bytes:
+            return self._solve_at(self._stage_ceiling, solver, time_limit_s)
+        if self.minimum_peak_bytes > budget_bytes:
+            raise InfeasibleBudgetError(
+                budget_bytes, self.minimum_peak_bytes, self.breakdown, self.scope
+            )
+        best = self._leanest_solution()
+        low, high = self._stage_floor, self._stage_ceiling
+        tolerance = max(1, (high - low) // 256)
+        while high - low > tolerance:
+            middle = (low + high) // 2
+            candidate = self._solve_at(middle, solver, time_limit_s)
+            if candidate.status != "infeasible" and self.predict(candidate.segments) <= budget_bytes:
+                best, low = candidate, middle
+            else:
+                high = middle
+        return best
 
     def optimize(
         self,
@@ -130,19 +195,18 @@ class Planner:
         if not budget_gb > 0:
             raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
         budget_bytes = int(budget_gb * GIB)
-        problem = self.chain.problem
         underestimate = 0  # largest measured-minus-predicted peak seen so far
         checked: Measurement | None = None
         for _ in range(_VERIFY_ROUNDS):
             try:
-                solution = solve_chain(
-                    problem.with_budget(budget_bytes - underestimate), method=solver,
-                    time_limit_s=time_limit_s, breakdown=self.breakdown, scope=self.scope,
-                )
+                solution = self._search(budget_bytes - underestimate, solver, time_limit_s)
             except InfeasibleBudgetError as error:
                 if not underestimate:
                     raise
-                raise self._measured_infeasible(budget_bytes, underestimate) from error
+                if self._leanest_measured is None or self._leanest_measured > budget_bytes:
+                    raise self._measured_infeasible(budget_bytes, underestimate) from error
+                # Tightening ruled out every cheaper plan; the leanest one was measured to fit.
+                solution = self._leanest_solution()
             specs = _segment_specs(self.chain, self.profile, self.capture, solution)
             result = rewrite(self.model, self.capture, specs)
             if not verify:
@@ -150,7 +214,7 @@ class Planner:
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
             if self._used(checked) <= budget_bytes:
                 break
-            predicted = simulate(problem, solution.segments).peak_bytes
+            predicted = self.predict(solution.segments)
             underestimate = max(underestimate + 1, self._used(checked) - predicted)
         else:
             raise self._measured_infeasible(budget_bytes, underestimate)
@@ -310,8 +374,12 @@ def _make_plan(
     step = (eager.step_seconds if eager is not None else prof.step_seconds)
     step_with = step + simulation.recompute_seconds
     notes = list(captured.warnings)
+    notes.append(
+        f"predicted peak: replay of one recorded step's {planner.trace.source} events under "
+        "this plan (autockpt.simulate)"
+    )
     if planner.calibration:
-        notes.append(f"calibrated: +{planner.calibration} bytes the graph profile does not see")
+        notes.append(f"calibrated: +{planner.calibration} bytes the recorded step does not see")
     return Plan(
         model=type(model).__name__,
         graph_fingerprint=captured.fingerprint(),
@@ -328,7 +396,7 @@ def _make_plan(
         solve_seconds=solution.solve_seconds,
         solver_gap=solution.gap,
         segments=tuple(segments),
-        predicted_peak_bytes=simulation.peak_bytes,
+        predicted_peak_bytes=planner.predict(solution.segments),
         no_checkpoint_peak_bytes=planner.no_checkpoint_peak_bytes,
         minimum_peak_bytes=planner.minimum_peak_bytes,
         predicted_recompute_seconds=simulation.recompute_seconds,
