@@ -98,10 +98,16 @@ class Planner:
         self.loss_fn = loss_fn
         self.capture = capture(model, self.inputs, leaf_modules=leaf_modules)
         self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
+        # On the meta device tensors have shapes and no data: plan from the graph alone
+        # (FLOP-estimated times, storage-level memory), nothing to measure or verify.
+        self.meta = self.profile.device == "meta"
+        calibrate = calibrate and not self.meta
         chain = build_chain(
             self.capture, self.profile, max_stages=max_stages,
             static_bytes=0 if scope == "activations" else None,
-            segment_overhead_seconds=checkpoint_overhead_seconds(torch.device(self.profile.device)),
+            segment_overhead_seconds=(
+                0.0 if self.meta else checkpoint_overhead_seconds(torch.device(self.profile.device))
+            ),
         )
         if scope == "activations":
             zeros = tuple(0 for _ in chain.problem.param_grad_bytes)
@@ -195,6 +201,7 @@ class Planner:
         if not budget_gb > 0:
             raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
         budget_bytes = int(budget_gb * GIB)
+        verify = verify and not self.meta
         underestimate = 0  # largest measured-minus-predicted peak seen so far
         checked: Measurement | None = None
         for _ in range(_VERIFY_ROUNDS):
@@ -378,6 +385,8 @@ def _make_plan(
         f"predicted peak: replay of one recorded step's {planner.trace.source} events under "
         "this plan (autockpt.simulate)"
     )
+    if prof.times_estimated:
+        notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
     if planner.calibration:
         notes.append(f"calibrated: +{planner.calibration} bytes the recorded step does not see")
     return Plan(
@@ -411,6 +420,7 @@ def _make_plan(
             no_checkpoint_activations=sum(problem.saved_bytes),
         ),
         calibration_bytes=planner.calibration,
+        times_estimated=prof.times_estimated,
         measured_peak_bytes=checked.peak_bytes if checked is not None else None,
         measured_step_seconds=checked.step_seconds if checked is not None else None,
         device=prof.device,

@@ -73,6 +73,7 @@ class Profile:
     mutated_buffers: tuple[str, ...]
     device: str
     step_seconds: float
+    times_estimated: bool = False
 
     @property
     def static_bytes(self) -> int:
@@ -122,9 +123,18 @@ def profile(
     *,
     loss_fn: LossFn | None = None,
     repeat: int = 3,
+    estimate_times: bool | None = None,
 ) -> Profile:
-    """Profile one training step of ``capture``'s graph, node by node, on real inputs."""
+    """Profile one training step of ``capture``'s graph, node by node, on real inputs.
+
+    ``estimate_times`` replaces timed runs by FLOP-based estimates (see
+    :func:`estimated_seconds`); it defaults to on for the meta device, where tensors have
+    shapes but no data, so that a model whose parameters do not fit in memory can be
+    planned without allocating them.
+    """
     loss_fn = loss_fn or default_loss
+    if estimate_times is None:
+        estimate_times = device_of(model, inputs).type == "meta"
     nodes = capture.compute_nodes()
     index_of = {node: i for i, node in enumerate(nodes)}
     device = device_of(model, inputs)
@@ -137,7 +147,8 @@ def profile(
         output = run_graph(capture, model, inputs, recorder)
         mutated = tuple(
             name for name, b in model.named_buffers()
-            if not _same(b, buffers_before[name])
+            if (_named_like_running_statistics(name) if b.device.type == "meta"
+                else not _same(b, buffers_before[name]))
         )
         del buffers_before
         _backward(loss_fn(output), None)
@@ -148,7 +159,7 @@ def profile(
         fwd_times: list[list[float]] = [[] for _ in nodes]
         bwd_times: list[list[float]] = [[] for _ in nodes]
         step_times: list[float] = []
-        for _ in range(max(1, repeat)):
+        for _ in range(0 if estimate_times else max(1, repeat)):
             timer = _Recorder(model, capture, index_of, static_keys, record=False)
             start = now(device)
             output = run_graph(capture, model, inputs, timer)
@@ -164,6 +175,12 @@ def profile(
                 bwd_times[i].append(seconds)
             clear_grads(model)
 
+    if estimate_times:
+        for i in range(len(nodes)):
+            out_bytes = sum(structure.storage_bytes[s] for s in structure.outputs[i])
+            fwd_times[i] = [estimated_seconds(structure.flops[i], out_bytes)]
+            bwd_times[i] = [2 * fwd_times[i][0]]
+        step_times = [sum(3 * t[0] for t in fwd_times)] if nodes else [0.0]
     profiles = tuple(
         NodeProfile(
             name=node.name,
@@ -190,7 +207,22 @@ def profile(
         mutated_buffers=mutated,
         device=str(device),
         step_seconds=statistics.median(step_times),
+        times_estimated=estimate_times,
     )
+
+
+ESTIMATED_FLOPS_PER_SECOND = 100e12
+"""Throughput assumed by FLOP-based time estimates (an accelerator's dense matmul rate)."""
+ESTIMATED_BYTES_PER_SECOND = 1e12
+"""Memory bandwidth assumed by FLOP-based time estimates (for ops that do little arithmetic)."""
+
+
+def estimated_seconds(flops: int, output_bytes: int) -> float:
+    """A roofline estimate of one node's forward time: the slower of its arithmetic at
+    :data:`ESTIMATED_FLOPS_PER_SECOND` and writing its outputs at
+    :data:`ESTIMATED_BYTES_PER_SECOND`. Only the *relative* cost of nodes matters to the
+    solvers, so the constants set the scale of reported seconds, not the plan."""
+    return max(flops / ESTIMATED_FLOPS_PER_SECOND, output_bytes / ESTIMATED_BYTES_PER_SECOND)
 
 
 def checkpoint_overhead_seconds(device: torch.device, repeat: int = 50) -> float:
@@ -248,9 +280,9 @@ class _Recorder(fx.Interpreter):
 
     def _storage_id(self, tensor: torch.Tensor) -> int | None:
         storage = tensor.untyped_storage()
-        if storage.nbytes() == 0 or tensor.device.type == "meta":
+        if storage.nbytes() == 0:
             return None
-        key = (str(tensor.device), storage.data_ptr())
+        key = _storage_key(tensor)
         if key in self.static_keys:
             return None
         if key not in self.storage_index:
@@ -338,6 +370,13 @@ def _backward(loss: torch.Tensor, grad: torch.Tensor | None) -> None:
     loss.backward(grad)
 
 
+def _named_like_running_statistics(name: str) -> bool:
+    """Meta tensors have no values to compare: buffers named like normalisation statistics
+    are taken as mutated by the forward (the conservative choice: restored after recompute)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.startswith("running_") or leaf == "num_batches_tracked"
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
@@ -347,9 +386,8 @@ def _static_storages(model: nn.Module, inputs: Inputs) -> tuple[set[tuple[str, i
     keys: set[tuple[str, int]] = set()
 
     def add(t: torch.Tensor) -> int:
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        if key in keys or t.device.type == "meta":
-            keys.add(key)
+        key = _storage_key(t)
+        if key in keys:
             return 0
         keys.add(key)
         return t.untyped_storage().nbytes()
@@ -358,6 +396,16 @@ def _static_storages(model: nn.Module, inputs: Inputs) -> tuple[set[tuple[str, i
     buffers = sum(add(b) for b in model.buffers())
     inputs_bytes = sum(add(t) for t in inputs.tensors())
     return keys, params, buffers, inputs_bytes
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """Identity of a tensor's storage: its address, or on the meta device (where every
+    address is 0) the storage object itself, which PyTorch keeps unique while it lives
+    (the recorder and the model keep every profiled storage alive)."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type == "meta":
+        return ("meta", id(storage))
+    return (str(tensor.device), storage.data_ptr())
 
 
 def _param_grad_attribution(
