@@ -143,7 +143,9 @@ class Planner:
         """Predicted peak (in the planner's scope) of a plan given as stage ranges: the
         simulator's replay plus the calibration offset."""
         node_ranges = [self.chain.node_range(start, end) for start, end in segments]
-        total = simulate_plan(self.trace, node_ranges).peak_bytes + self.calibration
+        random = [any(self.profile.nodes[i].random for i in range(first, stop))
+                  for first, stop in node_ranges]
+        total = simulate_plan(self.trace, node_ranges, random).peak_bytes + self.calibration
         if self.scope == "total":
             return total
         return total - self.profile.static_bytes - self.profile.param_grad_bytes

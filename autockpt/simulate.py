@@ -106,6 +106,7 @@ class MemoryTrace:
     output_allocations: tuple[int, ...]
     static_bytes: int
     source: str
+    rng_state_bytes: int = 0
 
     def eager_peak_bytes(self) -> int:
         """The recorded step's own peak (static part included)."""
@@ -132,9 +133,16 @@ class _Positions:
     phase_of_slot: dict[int, tuple[str, int]] = field(default_factory=dict)
 
 
-def simulate(trace: MemoryTrace, segments: Sequence[tuple[int, int]]) -> PlanSimulation:
+def simulate(
+    trace: MemoryTrace, segments: Sequence[tuple[int, int]],
+    preserve_rng: Sequence[bool] | None = None, _debug: list | None = None,
+) -> PlanSimulation:
     """Replay ``trace`` with the given checkpointed node ranges ``[first, stop)`` (sorted,
-    disjoint, within the graph's compute nodes) and return the predicted peak."""
+    disjoint, within the graph's compute nodes) and return the predicted peak.
+
+    ``preserve_rng[k]`` says that segment ``k`` stashes the RNG state (it has random ops):
+    the checkpoint then holds one state tensor from its forward to the end of its backward
+    and another while it recomputes (``trace.rng_state_bytes`` each)."""
     n = trace.num_nodes
     segment_of = [-1] * n
     for k, (first, stop) in enumerate(segments):
@@ -213,26 +221,32 @@ def simulate(trace: MemoryTrace, segments: Sequence[tuple[int, int]]) -> PlanSim
     graph_outputs = set(trace.output_allocations)
 
     segment_touched = bool(segments)
-    points: list[tuple[tuple[int, float], int]] = []  # (position, +bytes / -bytes)
+    # (position, +bytes / -bytes, tag): the tag (allocation id, ~id for a recomputed copy,
+    # negative for RNG stashes) only serves debugging
+    points: list[tuple[tuple[int, float], int, int]] = []
     sizes = trace.sizes
     for a, e in alloc_event.items():
         size = sizes[a]
         w_alloc = window_of_event[e]
-        points.append((at(w_alloc, e), size))
+        points.append((at(w_alloc, e), size, a))
         f = free_event.get(a)
         eager_free = at(window_of_event[f], f) if f is not None else None
         win = windows[w_alloc]
         free = eager_free
-        if win.phase == FORWARD and segment_touched and (
-            f is None or windows[window_of_event[f]].phase == BACKWARD
-        ):
+        kept_for_backward = f is None or windows[window_of_event[f]].phase == BACKWARD
+        if win.phase == FORWARD and segment_touched and not kept_for_backward and free is not None:
+            held = _segment_input_hold(
+                a, win.node, segment_of, readers, savers, end_of, last_backward_of_segment
+            )
+            free = max(free, held) if held is not None else free
+        elif win.phase == FORWARD and segment_touched:
             free = _rescheduled_free(
                 a, win.node, eager_free, f, trace, segment_of, savers, readers, graph_outputs,
                 windows, window_of_event, forward_window, end_of, end_of_last_backward,
                 last_backward_of_segment,
             )
         if free is not None:
-            points.append((free, -size))
+            points.append((free, -size, a))
         if win.phase == FORWARD and win.node >= 0 and segment_of[win.node] >= 0:
             k = segment_of[win.node]
             if k in recompute_slot:
@@ -242,11 +256,25 @@ def simulate(trace: MemoryTrace, segments: Sequence[tuple[int, int]]) -> PlanSim
                     last_event_of_window, forward_window,
                 ))
 
+    rng_bytes = trace.rng_state_bytes
+    for k, (first, _) in enumerate(segments):
+        if not (preserve_rng and preserve_rng[k] and rng_bytes):
+            continue
+        start = (slot_of_window[forward_window[first]], -1.0)
+        stop = end_of(last_backward_of_segment[k]) if k in last_backward_of_segment else None
+        points.append((start, rng_bytes, -1 - 2 * k))
+        if stop is not None:
+            points.append((stop, -rng_bytes, -1 - 2 * k))
+        if k in recompute_slot:
+            points.append(((recompute_slot[k], -1.0), rng_bytes, -2 - 2 * k))
+            points.append(((recompute_slot[k], float("inf")), -rng_bytes, -2 - 2 * k))
     points.sort(key=lambda p: p[0])
+    if _debug is not None:
+        _debug.extend(points)
     current = peak = 0
     forward_peak = backward_peak = 0
     peak_slot = 0
-    for (s, _), delta in points:
+    for (s, _), delta, _ in points:
         current += delta
         phase = slot_phase.get(s, (FORWARD, 0))[0]
         if phase in (FORWARD, LOSS):
@@ -288,17 +316,27 @@ def _rescheduled_free(
             end = end_of_last_backward(j)
             if end is not None:
                 reasons.append(end)
-    entered: set[int] = set()
-    for j in readers.get(a, []) + saving:
-        k = segment_of[j]
-        if k >= 0 and segment_of[producer] != k:
-            entered.add(k)
-    for k in entered:
-        if k in last_backward_of_segment:
-            reasons.append(end_of(last_backward_of_segment[k]))
+    held = _segment_input_hold(a, producer, segment_of, readers, savers, end_of,
+                               last_backward_of_segment)
+    if held is not None:
+        reasons.append(held)
     last_reader = max([producer, *(j for j in readers.get(a, []) if j >= producer)])
     reasons.append(end_of(forward_window[last_reader]))
     return max(reasons)
+
+
+def _segment_input_hold(
+    a: int, producer: int, segment_of: list[int], readers: dict[int, list[int]],
+    savers: dict[int, list[int]], end_of: Any, last_backward_of_segment: dict[int, int],
+) -> tuple[int, float] | None:
+    """A checkpoint keeps its segment's inputs for the recompute: an allocation made outside
+    a segment and read inside it lives until that segment's backward is over."""
+    entered = {
+        segment_of[j] for j in readers.get(a, []) + savers.get(a, [])
+        if segment_of[j] >= 0 and segment_of[j] != segment_of[producer]
+    }
+    ends = [end_of(last_backward_of_segment[k]) for k in entered if k in last_backward_of_segment]
+    return max(ends) if ends else None
 
 
 def _recomputed(
@@ -307,7 +345,7 @@ def _recomputed(
     windows: tuple[Window, ...], window_of_event: list[int],
     backward_windows: dict[int, list[int]], at: Any, end_of: Any,
     last_event_of_window: dict[int, int], forward_window: dict[int, int],
-) -> list[tuple[tuple[int, float], int]]:
+) -> list[tuple[tuple[int, float], int, int]]:
     """The recompute's copy of forward allocation ``a`` (made by a node of segment ``k``)."""
     first, stop = segment
     size = trace.sizes[a]
@@ -327,7 +365,7 @@ def _recomputed(
         inside_readers = [j for j in readers.get(a, []) if producer <= j < stop]
         last = max([producer, *inside_readers])
         free = (slot, last_event_of_window.get(forward_window[last], e) + 0.5)
-    return [((slot, e), size), (free, -size)]
+    return [((slot, e), size, ~a), (free, -size, ~a)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,6 +501,7 @@ def _record_with_profiler(
     try:
         output = capture.graph._codegen.process_outputs(
             runner.run(*placeholder_values(capture, model, inputs)))
+        runner.env.clear()  # the interpreter would hold the graph's outputs through backward
         with record_function(_LOSS_MARK):
             loss = loss_fn(output)
         del output
@@ -575,6 +614,8 @@ def _record_with_profiler(
         output_allocations=resolve(runner.graph_outputs, last_forward),
         static_bytes=static,
         source="allocator",
+        # torch.get_rng_state() is a CPU tensor: it counts where the allocator counted is CPU's
+        rng_state_bytes=torch.get_rng_state().nbytes if device.type == "cpu" else 0,
     )
 
 
@@ -706,6 +747,7 @@ def _record_with_storages(
     with tracker:
         output = capture.graph._codegen.process_outputs(
             runner.run(*placeholder_values(capture, model, inputs)))
+        runner.env.clear()  # the interpreter would hold the graph's outputs through backward
         windows.append(Window(LOSS, -1))
         tracker.window = len(windows) - 1
         loss = loss_fn(output)
