@@ -21,6 +21,7 @@ bumping version counters, so values are the only reliable witness. The model's s
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from autockpt.runtime import (
@@ -319,11 +321,14 @@ class _Recorder(fx.Interpreter):
         versions = [(t, t._version) for t in args]
         rng = torch.get_rng_state()
         cuda_rng = _cuda_rng_state()
+        seeded = _SeededOpWatch() if _on_meta(args) else contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False) as counter, seeded:
                 result = super().run_node(n)
         self.flops[i] = int(counter.get_total_flops())
         self.random[i] = not torch.equal(rng, torch.get_rng_state()) or cuda_rng != _cuda_rng_state()
+        if isinstance(seeded, _SeededOpWatch):
+            self.random[i] = seeded.seen
         self.saved[i] = sorted(saved)
         self.outputs[i] = sorted({self._storage_id(t) for t in tensors_in(result)} - {None})
         self.mutates[i] = sorted(
@@ -349,6 +354,25 @@ class _Recorder(fx.Interpreter):
 
             grad_fn.register_prehook(hook)
         return stamps
+
+
+class _SeededOpWatch(TorchDispatchMode):
+    """Notes whether any operator that draws random numbers runs. Meta tensors consume no
+    random numbers, so the RNG-state witness used on real devices sees nothing there; the
+    operator's ``nondeterministic_seeded`` tag (dropout, bernoulli, randn_like) says it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+def _on_meta(values: list[torch.Tensor]) -> bool:
+    return any(t.device.type == "meta" for t in values)
 
 
 def _backward_durations(stamps: dict[int, list[float]], end: float) -> dict[int, float]:

@@ -4,6 +4,7 @@ device that agrees with planning on real tensors."""
 
 from __future__ import annotations
 
+import copy
 import resource
 import warnings
 
@@ -18,6 +19,7 @@ from autockpt.simulate import MemoryTrace, record_trace, simulate
 from autockpt.trace import Inputs, capture
 from autockpt.zoo import ZOO
 from benchmarks.memory import HELD_OUT, check_model
+from tests.conftest import assert_same_step, train_step
 
 TOLERANCE = 0.05
 
@@ -118,6 +120,10 @@ def test_meta_device_planning_matches_real_planning():
     plan = meta.optimize(budget_gb=budget / GIB).plan
     assert plan.times_estimated and plan.device == "meta" and plan.measured_peak_bytes is None
     assert plan.segments and plan.predicted_peak_bytes <= plan.budget_bytes
+    # A plan made on the meta device applies to the real model and trains like eager.
+    applied = autockpt.apply(real_model, plan, real_inputs)
+    assert len(applied.plan.segments) == len(plan.segments)
+    assert_same_step(train_step(copy.deepcopy(real_model), real_inputs), train_step(applied, real_inputs))
     # Planning on meta allocated no activation memory worth noticing.
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
     assert grown < 256 * 2**20
