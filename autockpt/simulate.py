@@ -134,8 +134,10 @@ class _Positions:
 
 
 def simulate(
-    trace: MemoryTrace, segments: Sequence[tuple[int, int]],
-    preserve_rng: Sequence[bool] | None = None, _debug: list | None = None,
+    trace: MemoryTrace,
+    segments: Sequence[tuple[int, int]],
+    preserve_rng: Sequence[bool] | None = None,
+    _debug: list | None = None,
 ) -> PlanSimulation:
     """Replay ``trace`` with the given checkpointed node ranges ``[first, stop)`` (sorted,
     disjoint, within the graph's compute nodes) and return the predicted peak.
@@ -241,8 +243,20 @@ def simulate(
             free = max(free, held) if held is not None else free
         elif win.phase == FORWARD and segment_touched:
             free = _rescheduled_free(
-                a, win.node, eager_free, f, trace, segment_of, savers, readers, graph_outputs,
-                windows, window_of_event, forward_window, end_of, end_of_last_backward,
+                a,
+                win.node,
+                eager_free,
+                f,
+                trace,
+                segment_of,
+                savers,
+                readers,
+                graph_outputs,
+                windows,
+                window_of_event,
+                forward_window,
+                end_of,
+                end_of_last_backward,
                 last_backward_of_segment,
             )
         if free is not None:
@@ -250,11 +264,27 @@ def simulate(
         if win.phase == FORWARD and win.node >= 0 and segment_of[win.node] >= 0:
             k = segment_of[win.node]
             if k in recompute_slot:
-                points.extend(_recomputed(
-                    a, e, f, win.node, k, segments[k], recompute_slot[k], trace, savers,
-                    readers, windows, window_of_event, backward_windows, at, end_of,
-                    last_event_of_window, forward_window,
-                ))
+                points.extend(
+                    _recomputed(
+                        a,
+                        e,
+                        f,
+                        win.node,
+                        k,
+                        segments[k],
+                        recompute_slot[k],
+                        trace,
+                        savers,
+                        readers,
+                        windows,
+                        window_of_event,
+                        backward_windows,
+                        at,
+                        end_of,
+                        last_event_of_window,
+                        forward_window,
+                    )
+                )
 
     rng_bytes = trace.rng_state_bytes
     for k, (first, _) in enumerate(segments):
@@ -295,11 +325,21 @@ def simulate(
 
 
 def _rescheduled_free(
-    a: int, producer: int, eager_free: tuple[int, float] | None, f: int | None,
-    trace: MemoryTrace, segment_of: list[int], savers: dict[int, list[int]],
-    readers: dict[int, list[int]], graph_outputs: set[int], windows: tuple[Window, ...],
-    window_of_event: list[int], forward_window: dict[int, int], end_of: Any,
-    end_of_last_backward: Any, last_backward_of_segment: dict[int, int],
+    a: int,
+    producer: int,
+    eager_free: tuple[int, float] | None,
+    f: int | None,
+    trace: MemoryTrace,
+    segment_of: list[int],
+    savers: dict[int, list[int]],
+    readers: dict[int, list[int]],
+    graph_outputs: set[int],
+    windows: tuple[Window, ...],
+    window_of_event: list[int],
+    forward_window: dict[int, int],
+    end_of: Any,
+    end_of_last_backward: Any,
+    last_backward_of_segment: dict[int, int],
 ) -> tuple[int, float] | None:
     """When a forward allocation that eager kept for backward is freed under the plan."""
     saving = savers.get(a, [])
@@ -316,8 +356,9 @@ def _rescheduled_free(
             end = end_of_last_backward(j)
             if end is not None:
                 reasons.append(end)
-    held = _segment_input_hold(a, producer, segment_of, readers, savers, end_of,
-                               last_backward_of_segment)
+    held = _segment_input_hold(
+        a, producer, segment_of, readers, savers, end_of, last_backward_of_segment
+    )
     if held is not None:
         reasons.append(held)
     last_reader = max([producer, *(j for j in readers.get(a, []) if j >= producer)])
@@ -326,13 +367,19 @@ def _rescheduled_free(
 
 
 def _segment_input_hold(
-    a: int, producer: int, segment_of: list[int], readers: dict[int, list[int]],
-    savers: dict[int, list[int]], end_of: Any, last_backward_of_segment: dict[int, int],
+    a: int,
+    producer: int,
+    segment_of: list[int],
+    readers: dict[int, list[int]],
+    savers: dict[int, list[int]],
+    end_of: Any,
+    last_backward_of_segment: dict[int, int],
 ) -> tuple[int, float] | None:
     """A checkpoint keeps its segment's inputs for the recompute: an allocation made outside
     a segment and read inside it lives until that segment's backward is over."""
     entered = {
-        segment_of[j] for j in readers.get(a, []) + savers.get(a, [])
+        segment_of[j]
+        for j in readers.get(a, []) + savers.get(a, [])
         if segment_of[j] >= 0 and segment_of[j] != segment_of[producer]
     }
     ends = [end_of(last_backward_of_segment[k]) for k in entered if k in last_backward_of_segment]
@@ -340,11 +387,23 @@ def _segment_input_hold(
 
 
 def _recomputed(
-    a: int, e: int, f: int | None, producer: int, k: int, segment: tuple[int, int], slot: int,
-    trace: MemoryTrace, savers: dict[int, list[int]], readers: dict[int, list[int]],
-    windows: tuple[Window, ...], window_of_event: list[int],
-    backward_windows: dict[int, list[int]], at: Any, end_of: Any,
-    last_event_of_window: dict[int, int], forward_window: dict[int, int],
+    a: int,
+    e: int,
+    f: int | None,
+    producer: int,
+    k: int,
+    segment: tuple[int, int],
+    slot: int,
+    trace: MemoryTrace,
+    savers: dict[int, list[int]],
+    readers: dict[int, list[int]],
+    windows: tuple[Window, ...],
+    window_of_event: list[int],
+    backward_windows: dict[int, list[int]],
+    at: Any,
+    end_of: Any,
+    last_event_of_window: dict[int, int],
+    forward_window: dict[int, int],
 ) -> list[tuple[tuple[int, float], int, int]]:
     """The recompute's copy of forward allocation ``a`` (made by a node of segment ``k``)."""
     first, stop = segment
@@ -352,13 +411,19 @@ def _recomputed(
     inside_savers = [j for j in savers.get(a, []) if first <= j < stop]
     if inside_savers:
         eager_window = windows[window_of_event[f]] if f is not None else None
-        if eager_window is not None and eager_window.phase == BACKWARD and eager_window.node in inside_savers:
+        if (
+            eager_window is not None
+            and eager_window.phase == BACKWARD
+            and eager_window.node in inside_savers
+        ):
             free = at(window_of_event[f], f)
         else:
             ends = [end_of(backward_windows[j][-1]) for j in inside_savers if j in backward_windows]
             free = max(ends) if ends else (slot, e + 0.5)
-    elif f is not None and windows[window_of_event[f]].phase == FORWARD and (
-        first <= windows[window_of_event[f]].node < stop
+    elif (
+        f is not None
+        and windows[window_of_event[f]].phase == FORWARD
+        and (first <= windows[window_of_event[f]].node < stop)
     ):
         free = (slot, f)
     else:
@@ -394,12 +459,17 @@ def record_trace(
     device = device_of(model, inputs)
     nodes = capture.compute_nodes()
     index_of = {node: i for i, node in enumerate(nodes)}
-    static = static_bytes(model, inputs) if device.type != "meta" else _meta_static_bytes(model, inputs)
+    static = (
+        static_bytes(model, inputs) if device.type != "meta" else _meta_static_bytes(model, inputs)
+    )
     with preserved_training_state(model):
         if device.type != "meta":
             warm = _NodeRunner(model, capture, index_of, None)
-            loss = loss_fn(capture.graph._codegen.process_outputs(
-                warm.run(*placeholder_values(capture, model, inputs))))
+            loss = loss_fn(
+                capture.graph._codegen.process_outputs(
+                    warm.run(*placeholder_values(capture, model, inputs))
+                )
+            )
             loss.backward()
             del loss, warm
             clear_grads(model)
@@ -422,8 +492,9 @@ class _NodeRunner(fx.Interpreter):
     """Runs the captured graph like its generated code (values die after their last use),
     marks each compute node, and notes per node the storages it reads, returns and saves."""
 
-    def __init__(self, model: nn.Module, capture: Capture, index_of: dict[fx.Node, int],
-                 key: Any) -> None:
+    def __init__(
+        self, model: nn.Module, capture: Capture, index_of: dict[fx.Node, int], key: Any
+    ) -> None:
         super().__init__(model, garbage_collect_values=True, graph=capture.graph)
         self.index_of = index_of
         self.key = key  # storage -> hashable key, or None for a plain run
@@ -480,8 +551,13 @@ def _forward_sequence_numbers(result: Any, known: set[int]) -> set[int]:
 
 
 def _record_with_profiler(
-    model: nn.Module, capture: Capture, inputs: Inputs, index_of: dict[fx.Node, int],
-    loss_fn: LossFn, device: torch.device, static: int,
+    model: nn.Module,
+    capture: Capture,
+    inputs: Inputs,
+    index_of: dict[fx.Node, int],
+    loss_fn: LossFn,
+    device: torch.device,
+    static: int,
 ) -> MemoryTrace:
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -500,7 +576,8 @@ def _record_with_profiler(
         prof.start()
     try:
         output = capture.graph._codegen.process_outputs(
-            runner.run(*placeholder_values(capture, model, inputs)))
+            runner.run(*placeholder_values(capture, model, inputs))
+        )
         runner.env.clear()  # the interpreter would hold the graph's outputs through backward
         with record_function(_LOSS_MARK):
             loss = loss_fn(output)
@@ -522,11 +599,13 @@ def _record_with_profiler(
             if fields.device.type == device.type:
                 flat.append((event.start_time_ns, order, "memory", (fields.ptr, fields.alloc_size)))
         elif name.startswith(_NODE_MARK):
-            flat.append((event.start_time_ns, order, "node", int(name[len(_NODE_MARK):])))
+            flat.append((event.start_time_ns, order, "node", int(name[len(_NODE_MARK) :])))
         elif name == _LOSS_MARK:
             flat.append((event.start_time_ns, order, "loss", None))
         elif name.startswith("autograd::engine::evaluate_function"):
-            flat.append((event.start_time_ns, order, "backward", getattr(fields, "sequence_number", -1)))
+            flat.append(
+                (event.start_time_ns, order, "backward", getattr(fields, "sequence_number", -1))
+            )
         elif getattr(fields, "sequence_number", -1) >= 0:
             flat.append((event.start_time_ns, order, "op", fields.sequence_number))
         order += 1
@@ -628,7 +707,9 @@ def _ensure_forward_windows(
     missing = [i for i in range(n) if i not in known]
     if not missing:
         return windows, events
-    first_non_forward = next((w for w, win in enumerate(windows) if win.phase != FORWARD), len(windows))
+    first_non_forward = next(
+        (w for w, win in enumerate(windows) if win.phase != FORWARD), len(windows)
+    )
     added = [Window(FORWARD, i) for i in missing]
     remap = {w: (w if w < first_non_forward else w + len(added)) for w in range(len(windows))}
     new_windows = windows[:first_non_forward] + added + windows[first_non_forward:]
@@ -698,8 +779,12 @@ class _StorageTracker(TorchDispatchMode):
 
 
 def _record_with_storages(
-    model: nn.Module, capture: Capture, inputs: Inputs, index_of: dict[fx.Node, int],
-    loss_fn: LossFn, static: int,
+    model: nn.Module,
+    capture: Capture,
+    inputs: Inputs,
+    index_of: dict[fx.Node, int],
+    loss_fn: LossFn,
+    static: int,
 ) -> MemoryTrace:
     from autockpt.profile import placeholder_values
 
@@ -746,7 +831,8 @@ def _record_with_storages(
     runner.run_node = run_node  # type: ignore[method-assign]
     with tracker:
         output = capture.graph._codegen.process_outputs(
-            runner.run(*placeholder_values(capture, model, inputs)))
+            runner.run(*placeholder_values(capture, model, inputs))
+        )
         runner.env.clear()  # the interpreter would hold the graph's outputs through backward
         windows.append(Window(LOSS, -1))
         tracker.window = len(windows) - 1
@@ -773,4 +859,3 @@ def _record_with_storages(
         static_bytes=static,
         source="storages",
     )
-

@@ -13,8 +13,9 @@ truth, measured again independently of the planner's own verification), the erro
 budget below the leanest plan raises ``InfeasibleBudgetError``; the cell then reports its
 stated minimum and plans again *at* that minimum to check it is achievable.
 
-Held-out models (not in the zoo, not used while building the simulator) run the same check:
-a ``torch.nn.TransformerEncoder`` stack and a stacked-LSTM tagger.
+Held-out models (not in the zoo) run the same check: a stack of
+``torch.nn.TransformerEncoderLayer``, a stacked-LSTM tagger and a small vision transformer
+built on ``torch.nn.MultiheadAttention``.
 
 ``--large`` plans a decoder with about 30 GiB of parameters built on the meta device: no
 parameter is ever allocated; times are FLOP estimates; peak RSS of the process is reported.
@@ -102,7 +103,46 @@ def lstm_tagger(batch: int = 16, seq: int = 48) -> tuple[nn.Module, torch.Tensor
     return model, torch.randint(0, 200, (batch, seq))
 
 
-HELD_OUT = {"transformer_encoder": transformer_encoder, "lstm_tagger": lstm_tagger}
+class PatchMixer(nn.Module):
+    """A small vision transformer: conv patch embedding, blocks of ``nn.MultiheadAttention``
+    (a built-in leaf) and a GELU MLP around pre-norms, class head on the mean token."""
+
+    def __init__(self, dim: int, heads: int, depth: int, classes: int) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=4, stride=4)
+        self.norms1 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(depth))
+        self.attns = nn.ModuleList(
+            nn.MultiheadAttention(dim, heads, batch_first=True) for _ in range(depth)
+        )
+        self.norms2 = nn.ModuleList(nn.LayerNorm(dim) for _ in range(depth))
+        self.mlps = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h = self.patch(images).flatten(2).transpose(1, 2)
+        for norm1, attn, norm2, mlp in zip(
+            self.norms1, self.attns, self.norms2, self.mlps, strict=True
+        ):
+            x = norm1(h)
+            h = h + attn(x, x, x, need_weights=False)[0]
+            h = h + mlp(norm2(h))
+        return self.head(h.mean(dim=1))
+
+
+def patch_mixer(batch: int = 8, size: int = 32) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = PatchMixer(dim=96, heads=4, depth=4, classes=10).train()
+    return model, torch.randn(batch, 3, size, size)
+
+
+HELD_OUT = {
+    "transformer_encoder": transformer_encoder,
+    "lstm_tagger": lstm_tagger,
+    "patch_mixer": patch_mixer,
+}
 
 
 def zoo_models() -> dict[str, Any]:
@@ -114,7 +154,9 @@ def zoo_models() -> dict[str, Any]:
 # -- the check -----------------------------------------------------------------------------
 
 
-def check_model(name: str, factory: Any, fractions: tuple[float, ...], held_out: bool) -> list[dict]:
+def check_model(
+    name: str, factory: Any, fractions: tuple[float, ...], held_out: bool
+) -> list[dict]:
     """Plan ``name`` at each budget fraction; return one row per cell."""
     model, example = factory()
     inputs = Inputs.of(example)
@@ -131,9 +173,14 @@ def check_model(name: str, factory: Any, fractions: tuple[float, ...], held_out:
     for fraction in fractions:
         budget = fixed + int(fraction * activations)
         row: dict[str, Any] = {
-            "model": name, "held_out": held_out, "fraction": fraction, "budget_bytes": budget,
-            "activation_bytes": activations, "fixed_bytes": fixed,
-            "eager_peak_bytes": eager.peak_bytes, "setup_seconds": setup_seconds,
+            "model": name,
+            "held_out": held_out,
+            "fraction": fraction,
+            "budget_bytes": budget,
+            "activation_bytes": activations,
+            "fixed_bytes": fixed,
+            "eager_peak_bytes": eager.peak_bytes,
+            "setup_seconds": setup_seconds,
         }
         try:
             fast = planner.optimize(budget_gb=budget / GIB)
@@ -163,14 +210,18 @@ def check_model(name: str, factory: Any, fractions: tuple[float, ...], held_out:
 def _line(row: dict) -> str:
     mib = 2**20
     if row["infeasible"]:
-        verdict = (f"infeasible: minimum {row['minimum_bytes'] / mib:.3f} MiB, at it "
-                   f"{'fits' if row['minimum_achieved'] else 'DOES NOT FIT'}")
+        verdict = (
+            f"infeasible: minimum {row['minimum_bytes'] / mib:.3f} MiB, at it "
+            f"{'fits' if row['minimum_achieved'] else 'DOES NOT FIT'}"
+        )
     else:
         verdict = "within budget" if row["within_budget"] else "OVER BUDGET"
-    return (f"{row['model']:<22} {int(100 * row['fraction']):>3}%  budget "
-            f"{row['budget_bytes'] / mib:8.3f}  predicted {row['predicted_bytes'] / mib:8.3f}  "
-            f"measured {row['measured_bytes'] / mib:8.3f} MiB  error {100 * row['error']:+6.2f}%  "
-            f"{verdict}")
+    return (
+        f"{row['model']:<22} {int(100 * row['fraction']):>3}%  budget "
+        f"{row['budget_bytes'] / mib:8.3f}  predicted {row['predicted_bytes'] / mib:8.3f}  "
+        f"measured {row['measured_bytes'] / mib:8.3f} MiB  error {100 * row['error']:+6.2f}%  "
+        f"{verdict}"
+    )
 
 
 def markdown(rows: list[dict]) -> str:
@@ -183,8 +234,10 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         name = r["model"] + (" (held out)" if r["held_out"] else "")
         if r["infeasible"]:
-            result = (f"infeasible; minimum {r['minimum_bytes'] / mib:.3f} MiB "
-                      f"{'achieved' if r['minimum_achieved'] else 'NOT achieved'}")
+            result = (
+                f"infeasible; minimum {r['minimum_bytes'] / mib:.3f} MiB "
+                f"{'achieved' if r['minimum_achieved'] else 'NOT achieved'}"
+            )
         else:
             result = "within budget" if r["within_budget"] else "**over budget**"
         lines.append(
@@ -218,8 +271,14 @@ def large_meta_plan(layers: int, dim: int, seq: int, batch: int, budget_gb: floa
     started = time.perf_counter()
     with torch.device("meta"):  # parameters get shapes, never memory
         model, (idx, targets) = gpt(
-            layers=layers, dim=dim, heads=max(1, dim // 128), vocab_size=32000,
-            block_size=seq, batch=batch, seq_len=seq, dropout=0.0,
+            layers=layers,
+            dim=dim,
+            heads=max(1, dim // 128),
+            vocab_size=32000,
+            block_size=seq,
+            batch=batch,
+            seq_len=seq,
+            dropout=0.0,
         )
     build_seconds = time.perf_counter() - started
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -232,20 +291,30 @@ def large_meta_plan(layers: int, dim: int, seq: int, batch: int, budget_gb: floa
     plan = fast.plan
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return {
-        "layers": layers, "dim": dim, "seq": seq, "batch": batch,
-        "parameter_bytes": params, "budget_bytes": plan.budget_bytes,
+        "layers": layers,
+        "dim": dim,
+        "seq": seq,
+        "batch": batch,
+        "parameter_bytes": params,
+        "budget_bytes": plan.budget_bytes,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "no_checkpoint_peak_bytes": plan.no_checkpoint_peak_bytes,
-        "minimum_peak_bytes": plan.minimum_peak_bytes, "segments": len(plan.segments),
-        "times_estimated": plan.times_estimated, "device": plan.device,
-        "build_seconds": build_seconds, "total_seconds": time.perf_counter() - started,
+        "minimum_peak_bytes": plan.minimum_peak_bytes,
+        "segments": len(plan.segments),
+        "times_estimated": plan.times_estimated,
+        "device": plan.device,
+        "build_seconds": build_seconds,
+        "total_seconds": time.perf_counter() - started,
         "peak_rss_bytes": rss,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--models", help="comma-separated subset (zoo or held-out names)")
     parser.add_argument("--out", default="out/memory", type=Path)
     parser.add_argument("--large", action="store_true", help="meta-device plan of a ~30 GiB model")
@@ -260,11 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.large:
         result = large_meta_plan(args.layers, args.dim, args.seq, args.batch, args.budget_gb)
         for key, value in result.items():
-            print(f"{key:<26} {value / GIB:.3f} GiB" if key.endswith("bytes") else f"{key:<26} {value}")
+            print(
+                f"{key:<26} {value / GIB:.3f} GiB"
+                if key.endswith("bytes")
+                else f"{key:<26} {value}"
+            )
         (args.out / "large.json").write_text(json.dumps(result, indent=2) + "\n")
         return 0
-    models = {**{k: (v, False) for k, v in zoo_models().items()},
-              **{k: (v, True) for k, v in HELD_OUT.items()}}
+    models = {
+        **{k: (v, False) for k, v in zoo_models().items()},
+        **{k: (v, True) for k, v in HELD_OUT.items()},
+    }
     names = args.models.split(",") if args.models else list(models)
     rows: list[dict] = []
     for name in names:

@@ -45,7 +45,9 @@ def test_predictions_within_five_percent_and_measured_under_budget(name):
 
 
 def test_held_out_encoder_stack_within_five_percent():
-    rows = check_model("transformer_encoder", HELD_OUT["transformer_encoder"], (0.5,), held_out=True)
+    rows = check_model(
+        "transformer_encoder", HELD_OUT["transformer_encoder"], (0.5,), held_out=True
+    )
     (row,) = rows
     assert abs(row["error"]) <= TOLERANCE, row
     assert row["infeasible"] or row["within_budget"]
@@ -88,8 +90,16 @@ def test_infeasible_minimum_is_achievable():
 
 def test_simulate_rejects_bad_segments():
     trace = MemoryTrace(
-        num_nodes=2, windows=(), events=(), sizes=(), reads=((), ()), outputs=((), ()),
-        saved=((), ()), output_allocations=(), static_bytes=0, source="allocator",
+        num_nodes=2,
+        windows=(),
+        events=(),
+        sizes=(),
+        reads=((), ()),
+        outputs=((), ()),
+        saved=((), ()),
+        output_allocations=(),
+        static_bytes=0,
+        source="allocator",
     )
     with pytest.raises(ValueError, match="outside"):
         simulate(trace, [(0, 3)])
@@ -115,7 +125,9 @@ def test_meta_device_planning_matches_real_planning():
     assert meta.chain.problem.saved_bytes == real.chain.problem.saved_bytes
     leanest = real._leanest_solution().segments
     for segments in ([], leanest):
-        assert abs(meta.predict(segments) - real.predict(segments)) <= TOLERANCE * real.predict(segments)
+        assert abs(meta.predict(segments) - real.predict(segments)) <= TOLERANCE * real.predict(
+            segments
+        )
     budget = (meta.minimum_peak_bytes + meta.no_checkpoint_peak_bytes) // 2
     plan = meta.optimize(budget_gb=budget / GIB).plan
     assert plan.times_estimated and plan.device == "meta" and plan.measured_peak_bytes is None
@@ -123,7 +135,9 @@ def test_meta_device_planning_matches_real_planning():
     # A plan made on the meta device applies to the real model and trains like eager.
     applied = autockpt.apply(real_model, plan, real_inputs)
     assert len(applied.plan.segments) == len(plan.segments)
-    assert_same_step(train_step(copy.deepcopy(real_model), real_inputs), train_step(applied, real_inputs))
+    assert_same_step(
+        train_step(copy.deepcopy(real_model), real_inputs), train_step(applied, real_inputs)
+    )
     # Planning on meta allocated no activation memory worth noticing.
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
     assert grown < 256 * 2**20
