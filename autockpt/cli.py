@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", default="plan.json")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--quiet", action="store_true")
+    plan.add_argument("--meta", action="store_true",
+                      help="build the model on the meta device: plan without allocating "
+                           "(FLOP-estimated times, no measurement)")
     plan.set_defaults(run=_plan)
 
     show = sub.add_parser("show", help="print a saved plan")
@@ -201,7 +204,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import autockpt
 
-    model, inputs = load_spec(args.spec)
+    if args.meta:
+        import torch
+
+        with torch.device("meta"):  # parameters and inputs get shapes, never memory
+            model, inputs = load_spec(args.spec)
+    else:
+        model, inputs = load_spec(args.spec)
     fast = autockpt.optimize(model, inputs, budget_gb=args.budget_gb, solver=args.solver,
                              scope=args.scope, time_limit_s=args.time_limit)
     fast.plan.save(args.output)

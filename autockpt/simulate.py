@@ -858,4 +858,7 @@ def _record_with_storages(
         output_allocations=ids(runner.graph_outputs),
         static_bytes=static,
         source="storages",
+        # The device the plan will run on is unknown here; counting the CPU RNG stash is the
+        # conservative choice (it is CPU memory, outside a GPU's count).
+        rng_state_bytes=torch.get_rng_state().nbytes,
     )
