@@ -47,7 +47,7 @@ import bisect
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
@@ -124,20 +124,16 @@ class PlanSimulation:
     backward_peak_bytes: int
 
 
-@dataclass
-class _Positions:
-    """Where a plan's timeline puts each eager window (``slot``) and each recompute."""
-
-    slot_of_window: list[int]
-    recompute_slot: dict[int, int]
-    phase_of_slot: dict[int, tuple[str, int]] = field(default_factory=dict)
+Position = tuple[int, float]
+"""A point of the plan's timeline: (slot, order within the slot). Slots are the eager windows
+in order with one recompute slot inserted per segment; the order within a slot is the eager
+event index (``+ 0.5`` is "right after that event", ``-1`` "before anything")."""
 
 
 def simulate(
     trace: MemoryTrace,
     segments: Sequence[tuple[int, int]],
     preserve_rng: Sequence[bool] | None = None,
-    _debug: list | None = None,
 ) -> PlanSimulation:
     """Replay ``trace`` with the given checkpointed node ranges ``[first, stop)`` (sorted,
     disjoint, within the graph's compute nodes) and return the predicted peak.
@@ -145,175 +141,21 @@ def simulate(
     ``preserve_rng[k]`` says that segment ``k`` stashes the RNG state (it has random ops):
     the checkpoint then holds one state tensor from its forward to the end of its backward
     and another while it recomputes (``trace.rng_state_bytes`` each)."""
-    n = trace.num_nodes
-    segment_of = [-1] * n
-    for k, (first, stop) in enumerate(segments):
-        if not 0 <= first < stop <= n:
-            raise ValueError(f"segment [{first}, {stop}) is outside the {n} compute nodes")
-        for i in range(first, stop):
-            if segment_of[i] != -1:
-                raise ValueError(f"segments overlap at node {i}")
-            segment_of[i] = k
-
-    windows = trace.windows
-    # Eager order of every event, and each allocation's alloc / free event index.
-    alloc_event: dict[int, int] = {}
-    free_event: dict[int, int] = {}
-    for e, (a, _) in enumerate(trace.events):
-        if a in alloc_event:
-            free_event[a] = e
-        else:
-            alloc_event[a] = e
-    window_of_event = [w for _, w in trace.events]
-    last_event_of_window: dict[int, int] = {}
-    for e, w in enumerate(window_of_event):
-        last_event_of_window[w] = e
-
-    # Backward windows per node, in time order.
-    backward_windows: dict[int, list[int]] = {}
-    forward_window: dict[int, int] = {}
-    for w, win in enumerate(windows):
-        if win.phase == BACKWARD and win.node >= 0:
-            backward_windows.setdefault(win.node, []).append(w)
-        elif win.phase == FORWARD:
-            forward_window[win.node] = w
-
-    # The plan's timeline: eager windows in order, each segment's recompute inserted right
-    # before the first backward window of any of its nodes.
-    first_backward_of_segment: dict[int, int] = {}
-    last_backward_of_segment: dict[int, int] = {}
-    for node, ws in backward_windows.items():
-        k = segment_of[node]
-        if k >= 0:
-            first_backward_of_segment[k] = min(first_backward_of_segment.get(k, ws[0]), ws[0])
-            last_backward_of_segment[k] = max(last_backward_of_segment.get(k, ws[-1]), ws[-1])
-    slot_of_window = [0] * len(windows)
-    recompute_slot: dict[int, int] = {}
-    recompute_before = {w: k for k, w in first_backward_of_segment.items()}
-    slot = 0
-    slot_phase: dict[int, tuple[str, int]] = {}
-    for w, win in enumerate(windows):
-        if w in recompute_before:
-            k = recompute_before[w]
-            recompute_slot[k] = slot
-            slot_phase[slot] = ("recompute", segments[k][0])
-            slot += 1
-        slot_of_window[w] = slot
-        slot_phase[slot] = (win.phase, win.node)
-        slot += 1
-
-    def at(w: int, e: int) -> tuple[int, float]:
-        return (slot_of_window[w], e)
-
-    def end_of(w: int) -> tuple[int, float]:
-        return (slot_of_window[w], last_event_of_window.get(w, -1) + 0.5)
-
-    def end_of_last_backward(node: int) -> tuple[int, float] | None:
-        ws = backward_windows.get(node)
-        return end_of(ws[-1]) if ws else None
-
-    savers: dict[int, list[int]] = {}
-    for i, allocations in enumerate(trace.saved):
-        for a in allocations:
-            savers.setdefault(a, []).append(i)
-    readers: dict[int, list[int]] = {}
-    for i, allocations in enumerate(trace.reads):
-        for a in allocations:
-            readers.setdefault(a, []).append(i)
-    graph_outputs = set(trace.output_allocations)
-
-    segment_touched = bool(segments)
-    # (position, +bytes / -bytes, tag): the tag (allocation id, ~id for a recomputed copy,
-    # negative for RNG stashes) only serves debugging
-    points: list[tuple[tuple[int, float], int, int]] = []
-    sizes = trace.sizes
-    for a, e in alloc_event.items():
-        size = sizes[a]
-        w_alloc = window_of_event[e]
-        points.append((at(w_alloc, e), size, a))
-        f = free_event.get(a)
-        eager_free = at(window_of_event[f], f) if f is not None else None
-        win = windows[w_alloc]
-        free = eager_free
-        kept_for_backward = f is None or windows[window_of_event[f]].phase == BACKWARD
-        if win.phase == FORWARD and segment_touched and not kept_for_backward and free is not None:
-            held = _segment_input_hold(
-                a, win.node, segment_of, readers, savers, end_of, last_backward_of_segment
-            )
-            free = max(free, held) if held is not None else free
-        elif win.phase == FORWARD and segment_touched:
-            free = _rescheduled_free(
-                a,
-                win.node,
-                eager_free,
-                f,
-                trace,
-                segment_of,
-                savers,
-                readers,
-                graph_outputs,
-                windows,
-                window_of_event,
-                forward_window,
-                end_of,
-                end_of_last_backward,
-                last_backward_of_segment,
-            )
-        if free is not None:
-            points.append((free, -size, a))
-        if win.phase == FORWARD and win.node >= 0 and segment_of[win.node] >= 0:
-            k = segment_of[win.node]
-            if k in recompute_slot:
-                points.extend(
-                    _recomputed(
-                        a,
-                        e,
-                        f,
-                        win.node,
-                        k,
-                        segments[k],
-                        recompute_slot[k],
-                        trace,
-                        savers,
-                        readers,
-                        windows,
-                        window_of_event,
-                        backward_windows,
-                        at,
-                        end_of,
-                        last_event_of_window,
-                        forward_window,
-                    )
-                )
-
-    rng_bytes = trace.rng_state_bytes
-    for k, (first, _) in enumerate(segments):
-        if not (preserve_rng and preserve_rng[k] and rng_bytes):
-            continue
-        start = (slot_of_window[forward_window[first]], -1.0)
-        stop = end_of(last_backward_of_segment[k]) if k in last_backward_of_segment else None
-        points.append((start, rng_bytes, -1 - 2 * k))
-        if stop is not None:
-            points.append((stop, -rng_bytes, -1 - 2 * k))
-        if k in recompute_slot:
-            points.append(((recompute_slot[k], -1.0), rng_bytes, -2 - 2 * k))
-            points.append(((recompute_slot[k], float("inf")), -rng_bytes, -2 - 2 * k))
-    points.sort(key=lambda p: p[0])
-    if _debug is not None:
-        _debug.extend(points)
+    replay = _Replay(trace, segments)
+    points = replay.points(preserve_rng)
     current = peak = 0
     forward_peak = backward_peak = 0
     peak_slot = 0
-    for (s, _), delta, _ in points:
+    for (slot, _), delta, _ in points:
         current += delta
-        phase = slot_phase.get(s, (FORWARD, 0))[0]
-        if phase in (FORWARD, LOSS):
+        phase = replay.slot_phase[slot][0]
+        if phase in (PROLOGUE, FORWARD, LOSS):
             forward_peak = max(forward_peak, current)
         else:
             backward_peak = max(backward_peak, current)
         if current > peak:
-            peak, peak_slot = current, s
-    phase, node = slot_phase.get(peak_slot, (FORWARD, 0))
+            peak, peak_slot = current, slot
+    phase, node = replay.slot_phase.get(peak_slot, (FORWARD, 0))
     static = trace.static_bytes
     return PlanSimulation(
         peak_bytes=static + peak,
@@ -324,113 +166,212 @@ def simulate(
     )
 
 
-def _rescheduled_free(
-    a: int,
-    producer: int,
-    eager_free: tuple[int, float] | None,
-    f: int | None,
-    trace: MemoryTrace,
-    segment_of: list[int],
-    savers: dict[int, list[int]],
-    readers: dict[int, list[int]],
-    graph_outputs: set[int],
-    windows: tuple[Window, ...],
-    window_of_event: list[int],
-    forward_window: dict[int, int],
-    end_of: Any,
-    end_of_last_backward: Any,
-    last_backward_of_segment: dict[int, int],
-) -> tuple[int, float] | None:
-    """When a forward allocation that eager kept for backward is freed under the plan."""
-    saving = savers.get(a, [])
-    if a in graph_outputs or not saving:
-        return eager_free  # held by something the graph does not name (the loss, the caller)
-    reasons: list[tuple[int, float]] = []
-    eager_window = windows[window_of_event[f]] if f is not None else None
-    for j in saving:
-        if segment_of[j] >= 0:
-            continue  # a checkpointed saver keeps nothing; its recompute makes its own copy
-        if eager_window is not None and eager_window.phase == BACKWARD and eager_window.node == j:
-            reasons.append(eager_free)
+class _Replay:
+    """The plan's timeline for one trace and one set of segments (see the module docstring
+    for the rules); :meth:`points` lists every allocation and free as a timeline point."""
+
+    def __init__(self, trace: MemoryTrace, segments: Sequence[tuple[int, int]]) -> None:
+        n = trace.num_nodes
+        self.trace = trace
+        self.segments = [(int(first), int(stop)) for first, stop in segments]
+        self.segment_of = [-1] * n
+        for k, (first, stop) in enumerate(self.segments):
+            if not 0 <= first < stop <= n:
+                raise ValueError(f"segment [{first}, {stop}) is outside the {n} compute nodes")
+            for i in range(first, stop):
+                if self.segment_of[i] != -1:
+                    raise ValueError(f"segments overlap at node {i}")
+                self.segment_of[i] = k
+        windows = self.windows = trace.windows
+        # Each allocation's allocation and free event (eager order).
+        self.alloc_event: dict[int, int] = {}
+        self.free_event: dict[int, int] = {}
+        for e, (a, _) in enumerate(trace.events):
+            if a in self.alloc_event:
+                self.free_event[a] = e
+            else:
+                self.alloc_event[a] = e
+        self.window_of_event = [w for _, w in trace.events]
+        self.last_event_of_window: dict[int, int] = {}
+        for e, w in enumerate(self.window_of_event):
+            self.last_event_of_window[w] = e
+        # Forward window and backward windows (in time order) of every node.
+        self.backward_windows: dict[int, list[int]] = {}
+        self.forward_window: dict[int, int] = {}
+        for w, win in enumerate(windows):
+            if win.phase == BACKWARD and win.node >= 0:
+                self.backward_windows.setdefault(win.node, []).append(w)
+            elif win.phase == FORWARD:
+                self.forward_window[win.node] = w
+        first_backward: dict[int, int] = {}
+        self.last_backward_of_segment: dict[int, int] = {}
+        for node, ws in self.backward_windows.items():
+            k = self.segment_of[node]
+            if k >= 0:
+                first_backward[k] = min(first_backward.get(k, ws[0]), ws[0])
+                last = self.last_backward_of_segment.get(k, ws[-1])
+                self.last_backward_of_segment[k] = max(last, ws[-1])
+        # Slots: eager windows in order, each segment's recompute right before the first
+        # backward window of any of its nodes (where its first saved tensor is unpacked).
+        recompute_before = {w: k for k, w in first_backward.items()}
+        self.slot_of_window = [0] * len(windows)
+        self.recompute_slot: dict[int, int] = {}
+        self.slot_phase: dict[int, tuple[str, int]] = {}
+        slot = 0
+        for w, win in enumerate(windows):
+            if w in recompute_before:
+                k = recompute_before[w]
+                self.recompute_slot[k] = slot
+                self.slot_phase[slot] = ("recompute", self.segments[k][0])
+                slot += 1
+            self.slot_of_window[w] = slot
+            self.slot_phase[slot] = (win.phase, win.node)
+            slot += 1
+        self.savers: dict[int, list[int]] = {}
+        for i, allocations in enumerate(trace.saved):
+            for a in allocations:
+                self.savers.setdefault(a, []).append(i)
+        self.readers: dict[int, list[int]] = {}
+        for i, allocations in enumerate(trace.reads):
+            for a in allocations:
+                self.readers.setdefault(a, []).append(i)
+        self.graph_outputs = set(trace.output_allocations)
+
+    # -- positions ------------------------------------------------------------------------
+
+    def at(self, e: int) -> Position:
+        """Where eager event ``e`` happens."""
+        return (self.slot_of_window[self.window_of_event[e]], e)
+
+    def end_of(self, w: int) -> Position:
+        """Right after the last event of eager window ``w``."""
+        return (self.slot_of_window[w], self.last_event_of_window.get(w, -1) + 0.5)
+
+    def window_of(self, e: int | None) -> Window | None:
+        return self.windows[self.window_of_event[e]] if e is not None else None
+
+    # -- the rules --------------------------------------------------------------------------
+
+    def points(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
+        """Every allocation (+bytes) and free (-bytes) of the plan's step, sorted by position.
+        The third field tags the allocation (its id; ``~id`` for a recomputed copy; other
+        negative numbers for RNG stashes) for diagnostics."""
+        points: list[tuple[Position, int, int]] = []
+        checkpointed = bool(self.segments)
+        for a, e in self.alloc_event.items():
+            size = self.trace.sizes[a]
+            points.append((self.at(e), size, a))
+            f = self.free_event.get(a)
+            made_in = self.window_of(e)
+            free = self.at(f) if f is not None else None
+            if checkpointed and made_in is not None and made_in.phase == FORWARD:
+                freed_in = self.window_of(f)
+                if freed_in is not None and freed_in.phase != BACKWARD:
+                    held = self.segment_input_hold(a, made_in.node)
+                    free = max(free, held) if held is not None and free is not None else free
+                else:
+                    free = self.kept_for_backward_free(a, made_in.node, f)
+                k = self.segment_of[made_in.node]
+                if k >= 0 and k in self.recompute_slot:
+                    points.extend(self.recomputed(a, e, f, made_in.node, k))
+            if free is not None:
+                points.append((free, -size, a))
+        points.extend(self.rng_stashes(preserve_rng))
+        points.sort(key=lambda point: point[0])
+        return points
+
+    def kept_for_backward_free(self, a: int, producer: int, f: int | None) -> Position | None:
+        """When a forward allocation that eager kept for backward is freed under the plan:
+        the latest of its last forward use, the backward of each *kept* node that saves it,
+        and the end of the backward of each segment it enters."""
+        eager_free = self.at(f) if f is not None else None
+        saving = self.savers.get(a, [])
+        if a in self.graph_outputs or not saving:
+            return eager_free  # held by something the graph does not name (the loss, the caller)
+        reasons: list[Position] = []
+        freed_in = self.window_of(f)
+        for j in saving:
+            if self.segment_of[j] >= 0:
+                continue  # a checkpointed saver keeps nothing; its recompute makes its own copy
+            if freed_in is not None and freed_in.phase == BACKWARD and freed_in.node == j:
+                reasons.append(eager_free)  # the very backward that freed it in eager
+            elif j in self.backward_windows:
+                reasons.append(self.end_of(self.backward_windows[j][-1]))
+        held = self.segment_input_hold(a, producer)
+        if held is not None:
+            reasons.append(held)
+        last_reader = max([producer, *(j for j in self.readers.get(a, []) if j >= producer)])
+        reasons.append(self.end_of(self.forward_window[last_reader]))
+        return max(reasons)
+
+    def segment_input_hold(self, a: int, producer: int) -> Position | None:
+        """A checkpoint keeps its segment's inputs for the recompute: an allocation made
+        outside a segment and read inside it lives until that segment's backward is over."""
+        segment_of = self.segment_of
+        entered = {
+            segment_of[j]
+            for j in self.readers.get(a, []) + self.savers.get(a, [])
+            if segment_of[j] >= 0 and segment_of[j] != segment_of[producer]
+        }
+        ends = [
+            self.end_of(self.last_backward_of_segment[k])
+            for k in entered
+            if k in self.last_backward_of_segment
+        ]
+        return max(ends) if ends else None
+
+    def recomputed(
+        self, a: int, e: int, f: int | None, producer: int, k: int
+    ) -> list[tuple[Position, int, int]]:
+        """The recompute's copy of forward allocation ``a`` (made by a node of segment ``k``):
+        made at the same point of the recompute slot; freed where eager freed the original
+        when a node of the segment saves it, else after its last use inside the recompute."""
+        first, stop = self.segments[k]
+        slot = self.recompute_slot[k]
+        size = self.trace.sizes[a]
+        freed_in = self.window_of(f)
+        inside_savers = [j for j in self.savers.get(a, []) if first <= j < stop]
+        if inside_savers:
+            if (
+                freed_in is not None
+                and freed_in.phase == BACKWARD
+                and freed_in.node in inside_savers
+            ):
+                free = self.at(f)
+            else:
+                ends = [
+                    self.end_of(self.backward_windows[j][-1])
+                    for j in inside_savers
+                    if j in self.backward_windows
+                ]
+                free = max(ends) if ends else (slot, e + 0.5)
+        elif freed_in is not None and freed_in.phase == FORWARD and first <= freed_in.node < stop:
+            free = (slot, f)
         else:
-            end = end_of_last_backward(j)
-            if end is not None:
-                reasons.append(end)
-    held = _segment_input_hold(
-        a, producer, segment_of, readers, savers, end_of, last_backward_of_segment
-    )
-    if held is not None:
-        reasons.append(held)
-    last_reader = max([producer, *(j for j in readers.get(a, []) if j >= producer)])
-    reasons.append(end_of(forward_window[last_reader]))
-    return max(reasons)
+            inside_readers = [j for j in self.readers.get(a, []) if producer <= j < stop]
+            last = self.forward_window[max([producer, *inside_readers])]
+            free = (slot, self.last_event_of_window.get(last, e) + 0.5)
+        return [((slot, e), size, ~a), (free, -size, ~a)]
 
-
-def _segment_input_hold(
-    a: int,
-    producer: int,
-    segment_of: list[int],
-    readers: dict[int, list[int]],
-    savers: dict[int, list[int]],
-    end_of: Any,
-    last_backward_of_segment: dict[int, int],
-) -> tuple[int, float] | None:
-    """A checkpoint keeps its segment's inputs for the recompute: an allocation made outside
-    a segment and read inside it lives until that segment's backward is over."""
-    entered = {
-        segment_of[j]
-        for j in readers.get(a, []) + savers.get(a, [])
-        if segment_of[j] >= 0 and segment_of[j] != segment_of[producer]
-    }
-    ends = [end_of(last_backward_of_segment[k]) for k in entered if k in last_backward_of_segment]
-    return max(ends) if ends else None
-
-
-def _recomputed(
-    a: int,
-    e: int,
-    f: int | None,
-    producer: int,
-    k: int,
-    segment: tuple[int, int],
-    slot: int,
-    trace: MemoryTrace,
-    savers: dict[int, list[int]],
-    readers: dict[int, list[int]],
-    windows: tuple[Window, ...],
-    window_of_event: list[int],
-    backward_windows: dict[int, list[int]],
-    at: Any,
-    end_of: Any,
-    last_event_of_window: dict[int, int],
-    forward_window: dict[int, int],
-) -> list[tuple[tuple[int, float], int, int]]:
-    """The recompute's copy of forward allocation ``a`` (made by a node of segment ``k``)."""
-    first, stop = segment
-    size = trace.sizes[a]
-    inside_savers = [j for j in savers.get(a, []) if first <= j < stop]
-    if inside_savers:
-        eager_window = windows[window_of_event[f]] if f is not None else None
-        if (
-            eager_window is not None
-            and eager_window.phase == BACKWARD
-            and eager_window.node in inside_savers
-        ):
-            free = at(window_of_event[f], f)
-        else:
-            ends = [end_of(backward_windows[j][-1]) for j in inside_savers if j in backward_windows]
-            free = max(ends) if ends else (slot, e + 0.5)
-    elif (
-        f is not None
-        and windows[window_of_event[f]].phase == FORWARD
-        and (first <= windows[window_of_event[f]].node < stop)
-    ):
-        free = (slot, f)
-    else:
-        inside_readers = [j for j in readers.get(a, []) if producer <= j < stop]
-        last = max([producer, *inside_readers])
-        free = (slot, last_event_of_window.get(forward_window[last], e) + 0.5)
-    return [((slot, e), size, ~a), (free, -size, ~a)]
+    def rng_stashes(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
+        """RNG states a random segment's checkpoint keeps: one from its forward to the end of
+        its backward, one while it recomputes."""
+        out: list[tuple[Position, int, int]] = []
+        size = self.trace.rng_state_bytes
+        if not preserve_rng or not size:
+            return out
+        for k, (first, _) in enumerate(self.segments):
+            if not preserve_rng[k]:
+                continue
+            tag = -(1 << 40) - k
+            out.append(((self.slot_of_window[self.forward_window[first]], -1.0), size, tag))
+            if k in self.last_backward_of_segment:
+                out.append((self.end_of(self.last_backward_of_segment[k]), -size, tag))
+            if k in self.recompute_slot:
+                slot = self.recompute_slot[k]
+                out.append(((slot, -1.0), size, tag))
+                out.append(((slot, float("inf")), -size, tag))
+        return out
 
 
 # ---------------------------------------------------------------------------------------------
