@@ -171,7 +171,7 @@ class Planner:
         simulator accepts. Raises :class:`InfeasibleBudgetError` with the simulated peak of
         the leanest plan when not even that fits.
         """
-        if not solver in METHODS:  # noqa: E713
+        if solver not in METHODS:
             raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(METHODS)}")
         if self.no_checkpoint_peak_bytes <= budget_bytes:
             return self._solve_at(self._stage_ceiling, solver, time_limit_s)
