@@ -271,3 +271,25 @@ def test_default_loss_upcasts_half_precision():
 def test_default_loss_without_a_differentiable_tensor_says_to_pass_loss_fn(output):
     with pytest.raises(ValueError, match="loss_fn"):
         default_loss(output)
+
+
+def test_meta_device_profile_estimates_times_from_flops_and_sees_saved_storages():
+    """On the meta device nothing runs for real: saved storages are still found (by storage
+    identity, every meta address being 0), times come from FLOPs, dropout counts as random."""
+    from autockpt.profile import ESTIMATED_FLOPS_PER_SECOND
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 8))
+        x = torch.randn(64, 256, requires_grad=True)
+    inputs = Inputs.of(x)
+    prof = profile(model, capture(model, inputs), inputs)
+    assert prof.times_estimated and prof.device == "meta"
+    first = prof.nodes[0]
+    assert first.flops == 2 * 64 * 256 * 512
+    assert first.forward_seconds == first.flops / ESTIMATED_FLOPS_PER_SECOND
+    assert first.backward_seconds == 2 * first.forward_seconds
+    assert [node.random for node in prof.nodes] == [False, False, True, False]
+    # ReLU saves its output (64 x 512 floats); dropout saves its mask; the last Linear its input
+    assert prof.saved_bytes() >= 64 * 512 * 4
+    assert prof.param_bytes == (256 * 512 + 512 + 512 * 8 + 8) * 4
+    assert all(p.device.type == "meta" for p in model.parameters())
