@@ -2,7 +2,7 @@
 is the simulator's prediction to the measurement?
 
     python -m benchmarks.memory [--models a,b] [--out out/memory]
-    python -m benchmarks.memory --large [--layers 48 --dim 8192]   # meta-device planning
+    python -m benchmarks.memory --large [--layers 38 --dim 4096 --seq 2048 --batch 4]
 
 Budgets (scope="total"): for each model, ``A`` is its *activation memory*, the measured
 no-checkpoint peak minus what no plan can remove (parameters, buffers, inputs and parameter
