@@ -19,9 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.distributed import (
+    Sharding,
+    check_not_wrapped,
+    check_units_called,
+    rank_problem,
+    resolve_sharding,
+)
 from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.measure import Measurement, measure
-from autockpt.plan import MemoryBreakdown, Plan, Segment
+from autockpt.plan import MemoryBreakdown, Plan, RankMemory, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
 from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
 from autockpt.rewrite import SegmentSpec, rewrite
@@ -46,6 +53,9 @@ def optimize(
     leaf_modules: Iterable[str] = (),
     verify: bool = True,
     max_stages: int = DEFAULT_MAX_STAGES,
+    world_size: int = 1,
+    sharding: str | None = None,
+    fsdp_units: Iterable[str] | None = None,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -60,10 +70,18 @@ def optimize(
     The result shares the original's parameters and buffers, has the same ``state_dict()``
     keys and trains like it; ``result.plan`` is the :class:`Plan`. Raises
     :class:`InfeasibleBudgetError` when no plan fits (its ``minimum_gb`` does fit).
+
+    Distributed training (see ``docs/distributed.md``): with ``world_size=N`` and
+    ``sharding="ddp"`` or ``"fsdp"``, ``example_inputs`` are one rank's batch and the budget
+    is per rank; the memory model counts what that engine keeps on a rank. Wrap the result
+    afterwards: ``DDP(result)``, or ``fully_shard`` on each of ``result.plan.fsdp_units``
+    (default: the repeated blocks, e.g. transformer layers; they stay module calls and
+    checkpoint segments hold whole units) and then on ``result``.
     """
     planner = Planner(
         model, example_inputs, scope=scope, loss_fn=loss_fn, leaf_modules=leaf_modules,
-        calibrate=verify, max_stages=max_stages,
+        calibrate=verify, max_stages=max_stages, world_size=world_size, sharding=sharding,
+        fsdp_units=fsdp_units,
     )
     return planner.optimize(budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify)
 
@@ -86,15 +104,24 @@ class Planner:
         leaf_modules: Iterable[str] = (),
         calibrate: bool = True,
         max_stages: int = DEFAULT_MAX_STAGES,
+        world_size: int = 1,
+        sharding: str | None = None,
+        fsdp_units: Iterable[str] | None = None,
     ) -> None:
         _check_model(model)
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        self.sharding: Sharding = resolve_sharding(model, world_size, sharding, fsdp_units)
         self.model = model
         self.inputs = Inputs.of(example_inputs)
         self.scope = scope
         self.loss_fn = loss_fn
-        self.capture = capture(model, self.inputs, leaf_modules=leaf_modules)
+        # FSDP units are leaves: they stay module calls, so fully_shard's hooks fire and
+        # checkpoint segments hold whole units (autockpt.distributed explains why).
+        given_leaves = tuple(leaf_modules)
+        leaves = given_leaves + tuple(u for u in self.sharding.units if u not in given_leaves)
+        self.capture = capture(model, self.inputs, leaf_modules=leaves)
+        check_units_called(self.capture, self.sharding.units)
         self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
         chain = build_chain(
             self.capture, self.profile, max_stages=max_stages,
@@ -114,9 +141,21 @@ class Planner:
             chain.problem, static_bytes=chain.problem.static_bytes + self.calibration
         )
         self.chain = dataclasses.replace(chain, problem=problem)
+        self.single_problem = problem
+        self.rank_memory: RankMemory | None = None
+        if self.sharding.active:
+            sharded, self.rank_memory = rank_problem(
+                problem, chain.stages, self.capture, model, self.sharding,
+                parameters=self.profile.param_bytes, gradients=self.profile.param_grad_bytes,
+                buffers=self.profile.buffer_bytes, inputs=self.profile.input_bytes,
+            )
+            if scope == "total":  # sharding changes only what "activations" leaves out
+                self.chain = dataclasses.replace(chain, problem=sharded)
         self.no_checkpoint_peak_bytes = no_checkpoint_peak(self.chain)
         self.minimum_peak_bytes = minimum_peak(self.chain.problem)
         self.breakdown = _breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
+        if self.rank_memory is not None and scope == "total":
+            self.breakdown = _rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
 
     def optimize(
         self,
@@ -148,10 +187,11 @@ class Planner:
             if not verify:
                 break
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
-            if self._used(checked) <= budget_bytes:
+            used = self._used(checked) + self._rank_shift(solution.segments)
+            if used <= budget_bytes:
                 break
             predicted = simulate(problem, solution.segments).peak_bytes
-            underestimate = max(underestimate + 1, self._used(checked) - predicted)
+            underestimate = max(underestimate + 1, used - predicted)
         else:
             raise self._measured_infeasible(budget_bytes, underestimate)
         result.plan = _make_plan(self, solution, specs, budget_bytes, checked)
@@ -164,6 +204,15 @@ class Planner:
             f"Measured peaks ran up to {underestimate} bytes above the model's prediction, so "
             "the leanest plan needs the minimum stated.",
         )
+
+    def _rank_shift(self, segments: Sequence[tuple[int, int]]) -> int:
+        """Per-rank minus single-process prediction of a plan: verification measures one
+        unsharded process and moves the result to a rank by this difference (what sharding
+        changes is static and engine memory; what the profile missed stays the same)."""
+        if self.chain.problem is self.single_problem:
+            return 0
+        return (simulate(self.chain.problem, segments).peak_bytes
+                - simulate(self.single_problem, segments).peak_bytes)
 
     def _used(self, measurement: Measurement) -> int:
         if self.scope == "total":
@@ -234,11 +283,23 @@ def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__.startswith("FSDP"):
-        raise AutockptError(
-            f"model is already wrapped ({type(model).__name__}); call autockpt.optimize on the "
-            "plain module first, then wrap the result with DDP / fully_shard"
-        )
+    check_not_wrapped(model)
+
+
+def _rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding) -> dict[str, int]:
+    """The error breakdown for one rank: its local parameters and engine buffers."""
+    label = f"per rank of {sharding.world_size} ({sharding.mode})"
+    rank = {
+        f"parameters {label}": memory.parameters,
+        "gradients per rank": memory.gradients,
+    }
+    if memory.buckets:
+        rank["DDP gradient buckets"] = memory.buckets
+    if memory.gathered_parameters:
+        rank["FSDP all-gathered parameters"] = memory.gathered_parameters
+        rank["FSDP reduce-scatter window"] = memory.reduce_scatter
+    rest = {k: v for k, v in parts.items() if k not in ("parameters", "gradients")}
+    return rank | rest
 
 
 def _breakdown(prof: Profile, chain: Chain, scope: str, least: int) -> dict[str, int]:
@@ -310,6 +371,14 @@ def _make_plan(
     step = (eager.step_seconds if eager is not None else prof.step_seconds)
     step_with = step + simulation.recompute_seconds
     notes = list(captured.warnings)
+    measured_peak = checked.peak_bytes if checked is not None else None
+    if planner.sharding.active and checked is not None:
+        # The measured step ran unsharded in this process: not a per-rank number.
+        notes.append(
+            f"verified on one unsharded process: measured peak {checked.peak_bytes} bytes "
+            f"against a predicted {simulate(planner.single_problem, solution.segments).peak_bytes}"
+        )
+        measured_peak = None
     if planner.calibration:
         notes.append(f"calibrated: +{planner.calibration} bytes the graph profile does not see")
     return Plan(
@@ -343,8 +412,12 @@ def _make_plan(
             no_checkpoint_activations=sum(problem.saved_bytes),
         ),
         calibration_bytes=planner.calibration,
-        measured_peak_bytes=checked.peak_bytes if checked is not None else None,
+        measured_peak_bytes=measured_peak,
         measured_step_seconds=checked.step_seconds if checked is not None else None,
         device=prof.device,
         notes=tuple(notes),
+        world_size=planner.sharding.world_size,
+        sharding=planner.sharding.mode,
+        fsdp_units=planner.sharding.units,
+        rank_memory=planner.rank_memory,
     )
