@@ -323,7 +323,7 @@ def rank_problem(
             [2 * b + _shard(b, n) for b in split.unit_bytes.values()]
             + [split.root_bytes + _shard(split.root_bytes, n)]
         ),
-        static=local_params + gathered + buffers + inputs,
+        static=local_params + buffers + inputs,
     )
     problem = dataclasses.replace(
         problem,

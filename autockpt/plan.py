@@ -57,7 +57,8 @@ class RankMemory:
     """What one rank keeps under a distributed engine, in bytes (see
     ``autockpt.distributed``): local parameters (or shards) and gradients, DDP's gradient
     buckets, FSDP's all-gathered parameters (largest unit twice, plus the root's) and its
-    largest reduce-scatter window; ``static`` is what is resident for the whole step."""
+    largest reduce-scatter window; ``static`` is what stays resident between steps (local
+    parameters, buckets, buffers, inputs; gradients are freed by ``zero_grad``)."""
 
     parameters: int
     gradients: int

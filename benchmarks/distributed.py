@@ -283,6 +283,8 @@ def compare(case: Case, ranks: list[dict[str, Any]], expected: dict[str, Any]) -
         "budget_bytes": plan.budget_bytes,
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_resident_bytes": plan.rank_memory.static if plan.rank_memory else None,
+        "rank_memory": asdict(plan.rank_memory) if plan.rank_memory else None,
+        "unsharded_parameters_bytes": plan.memory.parameters,
         "segments": len(plan.segments),
         "units": len(plan.fsdp_units),
         "measured_peak_bytes": [r["measured"]["peak_bytes"] for r in ranks],

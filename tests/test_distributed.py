@@ -80,6 +80,9 @@ def test_fsdp_ranks_keep_a_shard_of_the_parameters(run):
         assert ddp.rank_memory.buckets == ddp.memory.gradients
         for f, d in zip(fsdp_ranks, ddp_ranks, strict=True):
             assert f["measured"]["resident_bytes"] < d["measured"]["resident_bytes"]
+            # DDP's buckets are real: resident = parameters + buckets + buffers + inputs.
+            resident = d["measured"]["resident_bytes"]
+            assert abs(resident - ddp.rank_memory.static) <= 0.05 * ddp.rank_memory.static
 
 
 def test_plans_record_world_size_sharding_and_units(run):
