@@ -45,6 +45,7 @@ Design (and why):
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -173,21 +174,27 @@ def check_not_wrapped(model: nn.Module) -> None:
 def _wrapping_engine(model: nn.Module) -> str | None:
     if not torch.distributed.is_available():
         return None
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel
 
+    # An engine can only have wrapped the model if its module was imported; checking
+    # sys.modules spares every plain optimize() the import of torch.distributed.fsdp.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    composable = sys.modules.get("torch.distributed._composable_state")
+    dtensor = sys.modules.get("torch.distributed.tensor")
     for name, module in model.named_modules():
         where = f" (module '{name}')" if name else ""
         if isinstance(module, DistributedDataParallel):
             return f"DistributedDataParallel{where}"
-        if isinstance(module, FSDPModule):
+        if fsdp is not None and isinstance(module, fsdp.FSDPModule):
             return f"FSDP2 fully_shard{where}"
-        if isinstance(module, FullyShardedDataParallel):
+        if fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel):
             return f"FullyShardedDataParallel{where}"
-    for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            return f"a DTensor-sharding engine (parameter '{name}' is a DTensor)"
+        if composable is not None and composable._get_module_state(module) is not None:
+            return f"a torch.distributed composable API (fully_shard / replicate){where}"
+    if dtensor is not None:
+        for name, param in model.named_parameters():
+            if isinstance(param, dtensor.DTensor):
+                return f"a DTensor-sharding engine (parameter '{name}' is a DTensor)"
     return None
 
 
@@ -356,6 +363,54 @@ def wrap(model: nn.Module, mode: str, units: Iterable[str] = (), **engine_kwargs
     raise ShardingError(f"unknown sharding mode {mode!r}; use 'ddp' or 'fsdp'")
 
 
+class _AllocationLedger:
+    """Live CPU allocations by address, replayed from profiler sessions in time order.
+
+    The CPU allocator reports a free to the profiler only on threads the profiler watches;
+    gloo's worker threads sometimes drop the last reference to a communicated tensor (FSDP2's
+    reduce-scatter input) and that free goes unreported. An address allocated again proves
+    the earlier block was freed: the ledger then frees it at the latest possible moment,
+    just before the new allocation. Blocks never reused stay counted, so the figures remain
+    upper bounds of the truth, only tighter than a plain running sum.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.current = 0
+
+    def replay(self, prof: Any) -> int:
+        """Apply one profiler session's allocation events; return the peak reached."""
+        return self.apply(_allocations(prof))
+
+    def apply(self, events: Iterable[tuple[int, int]]) -> int:
+        """Apply ``(address, signed bytes)`` events in time order; return the peak reached."""
+        peak = self.current
+        for ptr, nbytes in events:
+            if nbytes > 0:
+                self.current += nbytes - self.live.pop(ptr, 0)
+                self.live[ptr] = nbytes
+                peak = max(peak, self.current)
+            else:
+                self.current -= self.live.pop(ptr, 0)
+        return peak
+
+
+def _allocations(prof: Any) -> list[tuple[int, int]]:
+    """``(address, signed bytes)`` of every CPU allocator event of a session, in time order."""
+    allocation = torch._C._profiler._EventType.Allocation
+    found: list[tuple[int, int, int]] = []
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # pre-order, siblings in recorded order, so the sort below is stable
+        node = stack.pop()
+        stack.extend(reversed(node.children))
+        if node.tag == allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu" and fields.alloc_size:
+                found.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+    found.sort(key=lambda item: item[0])
+    return [(ptr, nbytes) for _, ptr, nbytes in found]
+
+
 @dataclass(frozen=True)
 class RankMeasurement:
     """One rank's allocator-level truth: ``resident_bytes`` alive when a step starts (local
@@ -395,19 +450,6 @@ def measure_rank(
     def session() -> Any:
         return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
 
-    def net_and_peak(prof: Any) -> tuple[int, int]:
-        events = [
-            e
-            for e in prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        ]
-        events.sort(key=lambda e: e.start_ns())
-        current = peak = 0
-        for event in events:
-            current += event.nbytes()
-            peak = max(peak, current)
-        return current, peak
-
     if torch.device(device).type == "cuda":
         base = torch.cuda.memory_allocated()
         model, raw = build()
@@ -435,7 +477,9 @@ def measure_rank(
         finally:
             with _quiet_native_stderr():
                 setup.stop()
-        resident, _ = net_and_peak(setup)
+        ledger = _AllocationLedger()
+        ledger.replay(setup)
+        resident = ledger.current
         measured = session()
         with _quiet_native_stderr():
             measured.start()
@@ -444,8 +488,7 @@ def measure_rank(
         finally:
             with _quiet_native_stderr():
                 measured.stop()
-        _, above = net_and_peak(measured)
-        peak = resident + above
+        peak = ledger.replay(measured)
         clear_grads(model)
     rank, size = 0, 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():

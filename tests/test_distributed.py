@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import autockpt
 from autockpt.api import Planner
-from autockpt.distributed import detect_units
+from autockpt.distributed import _AllocationLedger, detect_units
 from autockpt.errors import AutockptError, ShardingError
 from autockpt.plan import Plan
 from autockpt.runtime import default_loss
@@ -182,8 +182,38 @@ def test_already_wrapped_models_are_refused(one_rank_group):
     fully_shard(model)
     with pytest.raises(AutockptError, match="optimize on the plain module first"):
         autockpt.apply(model, Plan.from_json(_any_plan_json()))
+    # Sharded parameters without any wrapper module are refused too.
+    model, batch = gpt()
+    stripped = fully_shard(model)
+    stripped.__class__ = type(model).__mro__[2]  # the plain GPT class again
+    assert not isinstance(stripped, torch.distributed.fsdp.FSDPModule)
+    with pytest.raises(ShardingError, match="optimize on the plain module first"):
+        autockpt.optimize(stripped, batch, budget_gb=1)
+
+
+def test_budget_below_the_per_rank_minimum_names_the_engine_buffers():
+    model, batch = vit()
+    with pytest.raises(autockpt.InfeasibleBudgetError) as info:
+        autockpt.optimize(
+            model, batch, budget_gb=1e6 / 2**30, world_size=2, sharding="fsdp", verify=False
+        )
+    message = str(info.value)
+    assert "parameters per rank of 2 (fsdp)" in message
+    assert "FSDP all-gathered parameters" in message
+    planner = Planner(model, batch, world_size=2, sharding="fsdp", calibrate=False)
+    assert info.value.minimum_bytes == planner.minimum_peak_bytes
 
 
 def _any_plan_json() -> str:
     model, x = block_stack(blocks=2, width=16, batch=2)
     return autockpt.optimize(model, x, budget_gb=1.0, verify=False).plan.to_json()
+
+
+def test_allocation_ledger_frees_a_block_whose_free_went_unreported_when_its_address_returns():
+    ledger = _AllocationLedger()
+    # 100 bytes at 0x10 freed on an unwatched thread (no event), then 0x10 allocated again.
+    assert ledger.apply([(0x10, 100), (0x20, 50), (0x10, 80)]) == 150
+    assert ledger.current == 130
+    assert ledger.apply([(0x20, -50), (0x30, 10), (0x30, -10)]) == 130
+    assert ledger.current == 80
+    assert ledger.apply([(0x99, -7)]) == 80  # a free of a block it never saw changes nothing
