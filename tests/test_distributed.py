@@ -217,3 +217,24 @@ def test_allocation_ledger_frees_a_block_whose_free_went_unreported_when_its_add
     assert ledger.apply([(0x20, -50), (0x30, 10), (0x30, -10)]) == 130
     assert ledger.current == 80
     assert ledger.apply([(0x99, -7)]) == 80  # a free of a block it never saw changes nothing
+
+
+def test_evaluation_after_fully_shard_uses_the_trained_root_parameters(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    reference, batch = vit()
+    model, _ = vit()
+    result = autockpt.optimize(
+        model, batch, budget_gb=1, world_size=1, sharding="fsdp", verify=False
+    )
+    for name in result.plan.fsdp_units:
+        fully_shard(result.get_submodule(name))
+    fully_shard(result)
+    for module in (reference, result):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        default_loss(module(*batch)).backward()
+        optimizer.step()
+    reference.eval()
+    result.eval()  # the other mode runs the original forward: on the sharded, trained tensors
+    with torch.no_grad():
+        torch.testing.assert_close(result(*batch), reference(*batch), rtol=1e-5, atol=1e-6)
