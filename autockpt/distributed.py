@@ -435,8 +435,10 @@ def measure_rank(
     model must be *created* inside the measurement: ``build()`` makes the model and its
     inputs, applies the plan and wraps it (DDP / fully_shard, which frees the full
     parameters it shards). Everything it leaves alive is the rank's resident memory; the
-    peak of one step after ``warmup`` steps (DDP rebuilds its buckets once, at the start of
-    the second step) is measured on top. ``device="cuda"``: the caching allocator's counters.
+    peak of one step after ``warmup`` steps (DDP re-allocates its buckets once after the
+    first iteration) is measured on top. Frees that gloo performs on its own threads are not
+    reported; :class:`_AllocationLedger` recovers those whose address is reused, so the
+    figures are upper bounds. ``device="cuda"``: the caching allocator's counters.
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -238,3 +238,20 @@ def test_evaluation_after_fully_shard_uses_the_trained_root_parameters(one_rank_
     result.eval()  # the other mode runs the original forward: on the sharded, trained tensors
     with torch.no_grad():
         torch.testing.assert_close(result(*batch), reference(*batch), rtol=1e-5, atol=1e-6)
+
+
+def test_cli_plans_per_rank_and_rejects_bad_sharding_arguments(tmp_path, capsys):
+    from autockpt.cli import EXIT_OK, EXIT_USAGE, main
+
+    out = tmp_path / "plan.json"
+    spec = "autockpt.zoo:block_stack"
+    args = ["plan", spec, "--budget-gb", "1", "--world-size", "2", "--sharding", "fsdp"]
+    assert main([*args, "-o", str(out), "--quiet"]) == EXIT_OK
+    plan = Plan.load(out)
+    assert (plan.world_size, plan.sharding) == (2, "fsdp")
+    assert plan.fsdp_units == tuple(f"layers.{i}" for i in range(16))
+    assert main(["verify", spec, str(out)]) == EXIT_OK
+    assert "per rank of 2 under fsdp" in capsys.readouterr().out
+    bad = [*args, "--fsdp-units", "layers.0,nope", "-o", str(out)]
+    assert main(bad) == EXIT_USAGE
+    assert "does not have: ['nope']" in capsys.readouterr().err
