@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -192,17 +191,16 @@ def reference(case: Case, world_size: int) -> dict[str, Any]:
     return {"losses": [loss.detach() for loss in losses], "grads": grads}
 
 
-def rank_main(
-    rank: int, world_size: int, port: int, backend: str, cases: list[Case], out: str
-) -> None:
+def rank_main(rank: int, world_size: int, backend: str, cases: list[Case], out: str) -> None:
     """One rank: for every case build, apply the plan, wrap, measure, step, save results."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = "cuda" if backend == "nccl" else "cpu"
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    # A file rendezvous in the run's own folder: no TCP port to pick or collide on.
+    store = f"file://{Path(out).resolve() / 'rendezvous'}"
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world_size)
     try:
         for case in cases:
             plan = Plan.from_json(case.plan_json)
@@ -243,12 +241,6 @@ def rank_main(
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_ranks(
     cases: list[Case], world_size: int, backend: str = "gloo"
 ) -> dict[str, list[dict[str, Any]]]:
@@ -256,7 +248,7 @@ def run_ranks(
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(rank_main, args=(world_size, free_port(), backend, cases, out), nprocs=world_size)
+        mp.spawn(rank_main, args=(world_size, backend, cases, out), nprocs=world_size)
         return {
             case.name: [
                 torch.load(Path(out) / f"{case.name}-rank{r}.pt") for r in range(world_size)
