@@ -19,9 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.distributed import (
+    Sharding,
+    check_not_wrapped,
+    check_units_called,
+    rank_problem,
+    resolve_sharding,
+)
 from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.measure import Measurement, measure
-from autockpt.plan import MemoryBreakdown, Plan, Segment
+from autockpt.plan import MemoryBreakdown, Plan, RankMemory, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
 from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
 from autockpt.rewrite import SegmentSpec, rewrite
@@ -48,6 +55,9 @@ def optimize(
     leaf_modules: Iterable[str] = (),
     verify: bool = True,
     max_stages: int = DEFAULT_MAX_STAGES,
+    world_size: int = 1,
+    sharding: str | None = None,
+    fsdp_units: Iterable[str] | None = None,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -62,10 +72,18 @@ def optimize(
     The result shares the original's parameters and buffers, has the same ``state_dict()``
     keys and trains like it; ``result.plan`` is the :class:`Plan`. Raises
     :class:`InfeasibleBudgetError` when no plan fits (its ``minimum_gb`` does fit).
+
+    Distributed training (see ``docs/distributed.md``): with ``world_size=N`` and
+    ``sharding="ddp"`` or ``"fsdp"``, ``example_inputs`` are one rank's batch and the budget
+    is per rank; the memory model counts what that engine keeps on a rank. Wrap the result
+    afterwards: ``DDP(result)``, or ``fully_shard`` on each of ``result.plan.fsdp_units``
+    (default: the repeated blocks, e.g. transformer layers; they stay module calls and
+    checkpoint segments hold whole units) and then on ``result``.
     """
     planner = Planner(
         model, example_inputs, scope=scope, loss_fn=loss_fn, leaf_modules=leaf_modules,
-        calibrate=verify, max_stages=max_stages,
+        calibrate=verify, max_stages=max_stages, world_size=world_size, sharding=sharding,
+        fsdp_units=fsdp_units,
     )
     return planner.optimize(budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify)
 
@@ -88,15 +106,24 @@ class Planner:
         leaf_modules: Iterable[str] = (),
         calibrate: bool = True,
         max_stages: int = DEFAULT_MAX_STAGES,
+        world_size: int = 1,
+        sharding: str | None = None,
+        fsdp_units: Iterable[str] | None = None,
     ) -> None:
         _check_model(model)
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        self.sharding: Sharding = resolve_sharding(model, world_size, sharding, fsdp_units)
         self.model = model
         self.inputs = Inputs.of(example_inputs)
         self.scope = scope
         self.loss_fn = loss_fn
-        self.capture = capture(model, self.inputs, leaf_modules=leaf_modules)
+        # FSDP units are leaves: they stay module calls, so fully_shard's hooks fire and
+        # checkpoint segments hold whole units (autockpt.distributed explains why).
+        given_leaves = tuple(leaf_modules)
+        leaves = given_leaves + tuple(u for u in self.sharding.units if u not in given_leaves)
+        self.capture = capture(model, self.inputs, leaf_modules=leaves)
+        check_units_called(self.capture, self.sharding.units)
         self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
         # On the meta device tensors have shapes and no data: plan from the graph alone
         # (FLOP-estimated times, storage-level memory), nothing to measure or verify.
@@ -123,8 +150,21 @@ class Planner:
             self.calibration = max(
                 0, self.eager.peak_bytes - simulate_plan(self.trace, []).peak_bytes
             )
-        self._stage_floor = minimum_peak(chain.problem)
-        self._stage_ceiling = no_checkpoint_peak(chain)
+        # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not
+        # the activations: the stage model gets the per-rank terms, and each simulated
+        # single-process peak is moved to a rank by the stage model's difference.
+        self.single_problem = chain.problem
+        self.rank_memory: RankMemory | None = None
+        if self.sharding.active:
+            sharded, self.rank_memory = rank_problem(
+                chain.problem, chain.stages, self.capture, model, self.sharding,
+                parameters=self.profile.param_bytes, gradients=self.profile.param_grad_bytes,
+                buffers=self.profile.buffer_bytes, inputs=self.profile.input_bytes,
+            )
+            if scope == "total":  # sharding changes only what "activations" leaves out
+                self.chain = dataclasses.replace(chain, problem=sharded)
+        self._stage_floor = minimum_peak(self.chain.problem)
+        self._stage_ceiling = no_checkpoint_peak(self.chain)
         self._solutions: dict[tuple[int, str], Solution] = {}
         self.no_checkpoint_peak_bytes = self.predict([])
         leanest = self._leanest_solution()
@@ -135,19 +175,21 @@ class Planner:
         if self.eager is not None and leanest.segments:
             specs = _segment_specs(self.chain, self.profile, self.capture, leanest)
             lean = measure(rewrite(model, self.capture, specs), self.inputs, loss_fn=loss_fn, repeat=1)
-            self._leanest_measured = self._used(lean)
+            self._leanest_measured = self._used(lean) + self._rank_shift(leanest.segments)
             self.minimum_peak_bytes = max(self.minimum_peak_bytes, self._leanest_measured)
         self.breakdown = _breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
+        if self.rank_memory is not None and scope == "total":
+            self.breakdown = _rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
 
     def predict(self, segments: Sequence[tuple[int, int]]) -> int:
-        """Predicted peak (in the planner's scope) of a plan given as stage ranges: the
-        simulator's replay plus the calibration offset."""
+        """Predicted peak (in the planner's scope, per rank when sharded) of a plan given as
+        stage ranges: the simulator's replay plus the calibration offset."""
         node_ranges = [self.chain.node_range(start, end) for start, end in segments]
         random = [any(self.profile.nodes[i].random for i in range(first, stop))
                   for first, stop in node_ranges]
         total = simulate_plan(self.trace, node_ranges, random).peak_bytes + self.calibration
         if self.scope == "total":
-            return total
+            return total + self._rank_shift(segments)
         return total - self.profile.static_bytes - self.profile.param_grad_bytes
 
     def _solve_at(self, solver_budget: int, solver: str, time_limit_s: float) -> Solution:
@@ -221,10 +263,11 @@ class Planner:
             if not verify:
                 break
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
-            if self._used(checked) <= budget_bytes:
+            used = self._used(checked) + self._rank_shift(solution.segments)
+            if used <= budget_bytes:
                 break
             predicted = self.predict(solution.segments)
-            underestimate = max(underestimate + 1, self._used(checked) - predicted)
+            underestimate = max(underestimate + 1, used - predicted)
         else:
             raise self._measured_infeasible(budget_bytes, underestimate)
         result.plan = _make_plan(self, solution, specs, budget_bytes, checked)
@@ -237,6 +280,15 @@ class Planner:
             f"Measured peaks ran up to {underestimate} bytes above the model's prediction, so "
             "the leanest plan needs the minimum stated.",
         )
+
+    def _rank_shift(self, segments: Sequence[tuple[int, int]]) -> int:
+        """Per-rank minus single-process prediction of a plan: verification measures one
+        unsharded process and moves the result to a rank by this difference (what sharding
+        changes is static and engine memory; what the profile missed stays the same)."""
+        if self.chain.problem is self.single_problem:
+            return 0
+        return (simulate(self.chain.problem, segments).peak_bytes
+                - simulate(self.single_problem, segments).peak_bytes)
 
     def _used(self, measurement: Measurement) -> int:
         if self.scope == "total":
@@ -307,11 +359,23 @@ def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__.startswith("FSDP"):
-        raise AutockptError(
-            f"model is already wrapped ({type(model).__name__}); call autockpt.optimize on the "
-            "plain module first, then wrap the result with DDP / fully_shard"
-        )
+    check_not_wrapped(model)
+
+
+def _rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding) -> dict[str, int]:
+    """The error breakdown for one rank: its local parameters and engine buffers."""
+    label = f"per rank of {sharding.world_size} ({sharding.mode})"
+    rank = {
+        f"parameters {label}": memory.parameters,
+        "gradients per rank": memory.gradients,
+    }
+    if memory.buckets:
+        rank["DDP gradient buckets"] = memory.buckets
+    if memory.gathered_parameters:
+        rank["FSDP all-gathered parameters"] = memory.gathered_parameters
+        rank["FSDP reduce-scatter window"] = memory.reduce_scatter
+    rest = {k: v for k, v in parts.items() if k not in ("parameters", "gradients")}
+    return rank | rest
 
 
 def _breakdown(prof: Profile, chain: Chain, scope: str, least: int) -> dict[str, int]:
@@ -389,6 +453,15 @@ def _make_plan(
     )
     if prof.times_estimated:
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
+    measured_peak = checked.peak_bytes if checked is not None else None
+    if planner.sharding.active and checked is not None:
+        # The measured step ran unsharded in this process: not a per-rank number.
+        single = planner.predict(solution.segments) - planner._rank_shift(solution.segments)
+        notes.append(
+            f"verified on one unsharded process: measured peak {checked.peak_bytes} bytes "
+            f"against a predicted {single}"
+        )
+        measured_peak = None
     if planner.calibration:
         notes.append(f"calibrated: +{planner.calibration} bytes the recorded step does not see")
     return Plan(
@@ -423,8 +496,12 @@ def _make_plan(
         ),
         calibration_bytes=planner.calibration,
         times_estimated=prof.times_estimated,
-        measured_peak_bytes=checked.peak_bytes if checked is not None else None,
+        measured_peak_bytes=measured_peak,
         measured_step_seconds=checked.step_seconds if checked is not None else None,
         device=prof.device,
         notes=tuple(notes),
+        world_size=planner.sharding.world_size,
+        sharding=planner.sharding.mode,
+        fsdp_units=planner.sharding.units,
+        rank_memory=planner.rank_memory,
     )

@@ -72,3 +72,9 @@ def _fmt(nbytes: int) -> str:
 
 
 format_bytes = _fmt
+
+
+class ShardingError(AutockptError, ValueError):
+    """Distributed arguments that cannot work: an already wrapped model (DDP / FSDP), FSDP
+    units that do not exist or are not module calls, ``world_size < 1``, an unknown
+    ``sharding``. Also a ``ValueError``, since every case is a bad argument."""

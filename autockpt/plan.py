@@ -53,6 +53,22 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class RankMemory:
+    """What one rank keeps under a distributed engine, in bytes (see
+    ``autockpt.distributed``): local parameters (or shards) and gradients, DDP's gradient
+    buckets, FSDP's all-gathered parameters (largest unit twice, plus the root's) and its
+    largest reduce-scatter window; ``static`` is what stays resident between steps (local
+    parameters, buckets, buffers, inputs; gradients are freed by ``zero_grad``)."""
+
+    parameters: int
+    gradients: int
+    buckets: int
+    gathered_parameters: int
+    reduce_scatter: int
+    static: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """A checkpoint plan: segments plus predictions plus provenance."""
 
@@ -84,6 +100,10 @@ class Plan:
     times_estimated: bool = False
     device: str = "cpu"
     notes: tuple[str, ...] = ()
+    world_size: int = 1
+    sharding: str | None = None
+    fsdp_units: tuple[str, ...] = ()
+    rank_memory: RankMemory | None = None
     autockpt_version: str = field(default_factory=lambda: _library_version())
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION
@@ -161,6 +181,12 @@ class Plan:
         ]
         if self.measured_peak_bytes is not None:
             lines.append(f"measured peak {format_bytes(self.measured_peak_bytes)}")
+        if self.sharding is not None:
+            lines.append(
+                f"per rank of {self.world_size} under {self.sharding}"
+                + (f"; {len(self.fsdp_units)} FSDP unit(s)" if self.fsdp_units else "")
+                + (f"; resident {format_bytes(self.rank_memory.static)}" if self.rank_memory else "")
+            )
         for seg in self.segments:
             lines.append(
                 f"  checkpoint stages [{seg.start_stage}, {seg.end_stage}): {seg.first_node} .. "
@@ -180,6 +206,12 @@ def _check_semantics(plan: Plan) -> None:
         raise ValueError(f"solver_status {plan.solver_status!r} is not optimal or feasible")
     if plan.budget_bytes <= 0:
         raise ValueError("budget_bytes must be positive")
+    if plan.world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {plan.world_size}")
+    if plan.sharding not in (None, "ddp", "fsdp"):
+        raise ValueError(f"sharding must be null, 'ddp' or 'fsdp', got {plan.sharding!r}")
+    if plan.fsdp_units and plan.sharding != "fsdp":
+        raise ValueError("fsdp_units are listed but sharding is not 'fsdp'")
     previous_end = 0
     for seg in plan.segments:
         if not previous_end <= seg.start_stage < seg.end_stage <= len(plan.stages):
@@ -212,6 +244,12 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         return tuple(_build(Segment, item) for item in _list(name, value))
     if name == "memory":
         return _build(MemoryBreakdown, value)
+    if name == "rank_memory":
+        return None if value is None else _build(RankMemory, value)
+    if name == "sharding":
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"sharding must be a string or null, got {value!r}")
+        return value
     if name == "stages":
         return tuple((str(a), str(b)) for a, b in _list(name, value))
     if kind.startswith("tuple[str"):

@@ -203,6 +203,10 @@ def _forward_in_any_mode(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any
     if self.training == original.captured_training:
         return type(self).forward(self, *args, **kwargs)
     original.module.training = self.training
+    # An engine wrapping the result (fully_shard) replaces the tensors the root holds
+    # directly, on the result only; the original must run on the current ones.
+    original.module._parameters.update(self._parameters)
+    original.module._buffers.update(self._buffers)
     return original.module(*args, **kwargs)
 
 

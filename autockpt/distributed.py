@@ -1,0 +1,498 @@
+"""Distributed engines: what DDP and FSDP2 keep on each rank, and how plans compose with them.
+
+autockpt composes with ``torch.distributed``; it never replaces it. The user plans one
+rank's batch under a per-rank budget, then wraps the result the usual way::
+
+    model = autockpt.optimize(model, batch, budget_gb=70, world_size=8, sharding="fsdp")
+    for name in model.plan.fsdp_units:
+        fully_shard(model.get_submodule(name))
+    fully_shard(model)
+
+Design (and why):
+
+* **FSDP units are leaves of the capture.** FSDP2 all-gathers a unit's parameters in a
+  forward pre-hook of the unit's module and frees them in a post-hook; both fire only if the
+  unit is called as a module. Capturing each unit as one ``call_module`` node keeps it a
+  real module call in the rewritten graph, and every checkpoint segment, being a contiguous
+  range of top-level nodes, then contains whole units (one or several, plus the glue between
+  them) and never splits one. Recompute calls the unit again, so its hooks gather the
+  parameters again, exactly as FSDP2 expects of checkpointed blocks. A segment strictly
+  inside one unit is not offered: the budget's leanest plan then keeps one unit's saved
+  tensors during its backward, which the solver accounts for.
+* **The per-rank memory model changes only the static and transient terms** of the chain
+  (what sharding changes); saved activations per stage are the same on every rank because
+  ``example_inputs`` are one rank's batch.
+
+  - DDP: full parameters and gradients, plus the reducer's gradient buckets. The reducer
+    allocates flat buckets (``bucket_cap_mb``, 25 MiB by default) covering every gradient
+    when DDP is constructed, so the buckets together hold one more copy of the gradients
+    for as long as the wrapper lives (``gradient_as_bucket_view=True`` removes that copy;
+    the model here assumes the default).
+  - FSDP2: each unit's parameters and gradients are sharded ``N`` ways. While a unit runs
+    (forward, recompute or backward) its parameters are all-gathered to full size, and the
+    next unit's may be prefetched, so two of the largest unit are counted for the whole
+    step. A unit's backward holds its full unsharded gradients plus a flat reduce-scatter
+    input of the same size and the sharded output. Parameters outside every unit belong to
+    the root, which FSDP2 does not reshard after forward: they are full-size for the whole
+    step, and their gradients are full-size until the reduce-scatter that ends backward.
+* **Verification runs one unsharded process.** ``optimize`` measures the rewritten model in
+  the planning process (no process group needed) and transfers what the graph profile
+  missed (measured minus predicted) to the per-rank prediction, on the assumption that
+  workspaces and autograd buffers do not depend on sharding. :func:`measure_rank` is the
+  real per-rank truth, used by the tests and ``benchmarks/distributed.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.errors import ShardingError
+from autockpt.plan import RankMemory
+from autockpt.runtime import LossFn, clear_grads, default_loss
+from autockpt.trace import Capture, Inputs
+from solvers import ChainProblem
+
+SHARDINGS = (None, "ddp", "fsdp")
+DDP_BUCKET_CAP_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the planned model will be trained: ``world_size`` ranks, each running one
+    ``example_inputs`` batch, under ``mode`` (None: one process; "ddp"; "fsdp") with FSDP
+    ``units`` (qualified module names, in call order)."""
+
+    world_size: int = 1
+    mode: str | None = None
+    units: tuple[str, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.mode is not None
+
+
+def resolve_sharding(
+    model: nn.Module, world_size: int, sharding: str | None, fsdp_units: Iterable[str] | None
+) -> Sharding:
+    """Validate the distributed arguments of ``optimize`` and pick the FSDP units."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ShardingError(
+            f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}"
+        )
+    if sharding not in SHARDINGS:
+        raise ShardingError(f"sharding must be None, 'ddp' or 'fsdp', got {sharding!r}")
+    if fsdp_units is not None and sharding != "fsdp":
+        raise ShardingError(
+            f"fsdp_units only applies with sharding='fsdp' (got sharding={sharding!r})"
+        )
+    if sharding is None and world_size != 1:
+        raise ShardingError(
+            f"world_size={world_size} needs sharding='ddp' or 'fsdp' (how the ranks share the "
+            "model decides what each keeps)"
+        )
+    if sharding != "fsdp":
+        return Sharding(world_size, sharding, ())
+    if isinstance(fsdp_units, str):
+        raise ShardingError("fsdp_units must be a list of module names, not one string")
+    units = tuple(fsdp_units) if fsdp_units is not None else detect_units(model)
+    _check_units(model, units)
+    return Sharding(world_size, sharding, units)
+
+
+def detect_units(model: nn.Module) -> tuple[str, ...]:
+    """The repeated blocks of ``model``: the children of the ``ModuleList`` (or
+    ``Sequential``) of same-class modules holding the most parameters, e.g. the transformer
+    layers. Raises :class:`ShardingError` when there is none."""
+    best: tuple[int, int, str] | None = None
+    best_children: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        if len({type(child) for _, child in children}) != 1:
+            continue
+        if not any(True for _ in module.parameters()):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        key = (size, len(children), name)
+        if best is None or key[:2] > best[:2]:
+            best = key
+            prefix = f"{name}." if name else ""
+            best_children = [f"{prefix}{child}" for child, _ in children]
+    if best is None:
+        raise ShardingError(
+            f"found no repeated blocks (a ModuleList of same-class modules) in "
+            f"{type(model).__name__} to use as FSDP units; pass fsdp_units=[...] naming the "
+            "modules to shard one by one (or fsdp_units=[] to shard the root only)"
+        )
+    return tuple(best_children)
+
+
+def _check_units(model: nn.Module, units: tuple[str, ...]) -> None:
+    names = dict(model.named_modules())
+    missing = [u for u in units if u not in names or u == ""]
+    if missing:
+        raise ShardingError(
+            f"fsdp_units name modules that {type(model).__name__} does not have: {missing}. "
+            "Use names from model.named_modules(), e.g. 'layers.0'."
+        )
+    if len(set(units)) != len(units):
+        raise ShardingError(f"fsdp_units lists a module twice: {list(units)}")
+    for a in units:
+        for b in units:
+            if a != b and b.startswith(f"{a}."):
+                raise ShardingError(
+                    f"fsdp_units must not contain one another: '{b}' is inside '{a}'. "
+                    "Name the innermost blocks only."
+                )
+
+
+def check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a model that a distributed engine already wraps: plan first, then wrap.
+
+    Detects ``DistributedDataParallel``, FSDP2 (``fully_shard``: an ``FSDPModule`` anywhere in
+    the tree) and classic ``FullyShardedDataParallel``; DTensor parameters (sharded by
+    tensor parallelism or an FSDP unit) are refused too, since the profile needs plain
+    tensors.
+    """
+    engine = _wrapping_engine(model)
+    if engine is not None:
+        raise ShardingError(
+            f"model is already wrapped by {engine}; call autockpt.optimize on the plain "
+            "module first (with world_size= and sharding=), then wrap the result with "
+            "DistributedDataParallel / fully_shard"
+        )
+
+
+def _wrapping_engine(model: nn.Module) -> str | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    # An engine can only have wrapped the model if its module was imported; checking
+    # sys.modules spares every plain optimize() the import of torch.distributed.fsdp.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    composable = sys.modules.get("torch.distributed._composable_state")
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    for name, module in model.named_modules():
+        where = f" (module '{name}')" if name else ""
+        if isinstance(module, DistributedDataParallel):
+            return f"DistributedDataParallel{where}"
+        if fsdp is not None and isinstance(module, fsdp.FSDPModule):
+            return f"FSDP2 fully_shard{where}"
+        if fsdp is not None and isinstance(module, fsdp.FullyShardedDataParallel):
+            return f"FullyShardedDataParallel{where}"
+        if composable is not None and composable._get_module_state(module) is not None:
+            return f"a torch.distributed composable API (fully_shard / replicate){where}"
+    if dtensor is not None:
+        for name, param in model.named_parameters():
+            if isinstance(param, dtensor.DTensor):
+                return f"a DTensor-sharding engine (parameter '{name}' is a DTensor)"
+    return None
+
+
+def check_units_called(capture: Capture, units: tuple[str, ...]) -> None:
+    """Every FSDP unit must be a ``call_module`` node of the capture: its hooks gather its
+    parameters. A unit that is never called as a module (a container, or a graph captured
+    by ``torch.export``, which inlines modules) cannot be sharded behind a plan."""
+    called = {str(n.target) for n in capture.graph.nodes if n.op == "call_module"}
+    absent = [u for u in units if u not in called]
+    if absent:
+        how = (
+            "the graph was captured with torch.export, which inlines module calls, because fx "
+            "could not trace the root module"
+            if capture.method == "export"
+            else "they are not called as modules in forward (a container, or reached only "
+            "through a parent's call)"
+        )
+        raise ShardingError(
+            f"FSDP units {absent} are not module calls in the captured graph: {how}. Pass "
+            "fsdp_units naming modules that forward calls directly."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# per-rank memory model
+
+
+@dataclass(frozen=True)
+class _ParamSplit:
+    """Parameter bytes of every unit and of the root (outside all units)."""
+
+    unit_bytes: dict[str, int]
+    root_bytes: int
+
+
+def _param_split(model: nn.Module, units: tuple[str, ...]) -> _ParamSplit:
+    owner: dict[int, str] = {}
+    for unit in units:
+        for p in model.get_submodule(unit).parameters():
+            owner.setdefault(id(p), unit)
+    unit_bytes = dict.fromkeys(units, 0)
+    root = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        nbytes = p.numel() * p.element_size()
+        if id(p) in owner:
+            unit_bytes[owner[id(p)]] += nbytes
+        else:
+            root += nbytes
+    return _ParamSplit(unit_bytes, root)
+
+
+def _shard(nbytes: int, world_size: int) -> int:
+    return -(-nbytes // world_size)
+
+
+def rank_problem(
+    problem: ChainProblem,
+    stages: tuple[tuple[int, int], ...],
+    capture: Capture,
+    model: nn.Module,
+    sharding: Sharding,
+    *,
+    parameters: int,
+    gradients: int,
+    buffers: int,
+    inputs: int,
+) -> tuple[ChainProblem, RankMemory]:
+    """The single-process chain ``problem`` rewritten for one rank under ``sharding``.
+
+    ``problem.static_bytes`` is the single-process static part (parameters + buffers +
+    inputs + calibration + output tail); the parameter part is replaced by what one rank
+    keeps, and the engines' buffers are added (see the module docstring). Returns the
+    per-rank problem and the breakdown recorded in the plan.
+    """
+    n = sharding.world_size
+    rest = problem.static_bytes - parameters  # buffers, inputs, output tail, calibration
+    if sharding.mode == "ddp":
+        buckets = gradients
+        memory = RankMemory(
+            parameters=parameters,
+            gradients=gradients,
+            buckets=buckets,
+            gathered_parameters=0,
+            reduce_scatter=0,
+            static=parameters + buckets + buffers + inputs,
+        )
+        return dataclasses.replace(problem, static_bytes=rest + parameters + buckets), memory
+
+    split = _param_split(model, sharding.units)
+    largest = max(split.unit_bytes.values(), default=0)
+    local_params = sum(_shard(b, n) for b in split.unit_bytes.values()) + _shard(
+        split.root_bytes, n
+    )
+    gathered = 2 * largest + split.root_bytes  # current + prefetched unit; the root stays full
+    nodes = capture.compute_nodes()
+    unit_of_node = {
+        i: str(node.target)
+        for i, node in enumerate(nodes)
+        if node.op == "call_module" and str(node.target) in split.unit_bytes
+    }
+    grads = list(problem.param_grad_bytes)
+    transient = list(problem.transient_bytes)
+    for k, (start, end) in enumerate(stages):
+        unit_grads = 0
+        window = 0
+        for i in range(start, end):
+            unit = unit_of_node.get(i)
+            if unit is not None:
+                size = split.unit_bytes[unit]
+                unit_grads += size
+                window = max(window, 2 * size + _shard(size, n))
+        # Unit gradients persist as shards; root gradients stay full until the end.
+        grads[k] = (
+            grads[k]
+            - unit_grads
+            + sum(
+                _shard(split.unit_bytes[unit_of_node[i]], n)
+                for i in range(start, end)
+                if i in unit_of_node
+            )
+        )
+        transient[k] += window
+    # The root's reduce-scatter ends backward: a flat copy of its gradients plus the shard.
+    transient[0] += split.root_bytes + _shard(split.root_bytes, n)
+    grads[0] += _shard(split.root_bytes, n)
+    memory = RankMemory(
+        parameters=local_params,
+        gradients=sum(_shard(b, n) for b in split.unit_bytes.values())
+        + _shard(split.root_bytes, n),
+        buckets=0,
+        gathered_parameters=gathered,
+        reduce_scatter=max(
+            [2 * b + _shard(b, n) for b in split.unit_bytes.values()]
+            + [split.root_bytes + _shard(split.root_bytes, n)]
+        ),
+        static=local_params + buffers + inputs,
+    )
+    problem = dataclasses.replace(
+        problem,
+        static_bytes=rest + local_params + gathered,
+        param_grad_bytes=tuple(max(0, g) for g in grads),
+        transient_bytes=tuple(transient),
+    )
+    return problem, memory
+
+
+# ---------------------------------------------------------------------------------------------
+# wrapping and per-rank measurement
+
+
+def wrap(model: nn.Module, mode: str, units: Iterable[str] = (), **engine_kwargs: Any) -> nn.Module:
+    """Wrap ``model`` for training under ``mode`` in the current process group, the way a
+    user would: ``DistributedDataParallel(model)``, or ``fully_shard`` on each unit and then
+    on the root. Returns the module to call."""
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, **engine_kwargs)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for name in units:
+            fully_shard(model.get_submodule(name), **engine_kwargs)
+        fully_shard(model, **engine_kwargs)
+        return model
+    raise ShardingError(f"unknown sharding mode {mode!r}; use 'ddp' or 'fsdp'")
+
+
+class _AllocationLedger:
+    """Live CPU allocations by address, replayed from profiler sessions in time order.
+
+    The CPU allocator reports a free to the profiler only on threads the profiler watches;
+    gloo's worker threads sometimes drop the last reference to a communicated tensor (FSDP2's
+    reduce-scatter input) and that free goes unreported. An address allocated again proves
+    the earlier block was freed: the ledger then frees it at the latest possible moment,
+    just before the new allocation. Blocks never reused stay counted, so the figures remain
+    upper bounds of the truth, only tighter than a plain running sum.
+    """
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.current = 0
+
+    def replay(self, prof: Any) -> int:
+        """Apply one profiler session's allocation events; return the peak reached."""
+        return self.apply(_allocations(prof))
+
+    def apply(self, events: Iterable[tuple[int, int]]) -> int:
+        """Apply ``(address, signed bytes)`` events in time order; return the peak reached."""
+        peak = self.current
+        for ptr, nbytes in events:
+            if nbytes > 0:
+                self.current += nbytes - self.live.pop(ptr, 0)
+                self.live[ptr] = nbytes
+                peak = max(peak, self.current)
+            else:
+                self.current -= self.live.pop(ptr, 0)
+        return peak
+
+
+def _allocations(prof: Any) -> list[tuple[int, int]]:
+    """``(address, signed bytes)`` of every CPU allocator event of a session, in time order."""
+    allocation = torch._C._profiler._EventType.Allocation
+    found: list[tuple[int, int, int]] = []
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # pre-order, siblings in recorded order, so the sort below is stable
+        node = stack.pop()
+        stack.extend(reversed(node.children))
+        if node.tag == allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu" and fields.alloc_size:
+                found.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+    found.sort(key=lambda item: item[0])
+    return [(ptr, nbytes) for _, ptr, nbytes in found]
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """One rank's allocator-level truth: ``resident_bytes`` alive when a step starts (local
+    parameters or shards, buffers, DDP buckets, inputs) and ``peak_bytes`` during it."""
+
+    peak_bytes: int
+    resident_bytes: int
+    world_size: int
+    rank: int
+
+
+def measure_rank(
+    build: Callable[[], tuple[nn.Module, Any]],
+    *,
+    loss_fn: LossFn | None = None,
+    warmup: int = 2,
+    device: str = "cpu",
+) -> tuple[nn.Module, Inputs, RankMeasurement]:
+    """Build, wrap and step a model on this rank, counting every byte it allocates.
+
+    The CPU allocator reports frees to the profiler only for allocations it saw, so the
+    model must be *created* inside the measurement: ``build()`` makes the model and its
+    inputs, applies the plan and wraps it (DDP / fully_shard, which frees the full
+    parameters it shards). Everything it leaves alive is the rank's resident memory; the
+    peak of one step after ``warmup`` steps (DDP re-allocates its buckets once after the
+    first iteration) is measured on top. Frees that gloo performs on its own threads are not
+    reported; :class:`_AllocationLedger` recovers those whose address is reused, so the
+    figures are upper bounds. ``device="cuda"``: the caching allocator's counters.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    from autockpt.measure import _quiet_native_stderr
+
+    loss_fn = loss_fn or default_loss
+
+    def step(model: nn.Module, inputs: Inputs) -> None:
+        loss_fn(model(*inputs.args, **inputs.kwargs)).backward()
+
+    def session() -> Any:
+        return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    if torch.device(device).type == "cuda":
+        base = torch.cuda.memory_allocated()
+        model, raw = build()
+        inputs = Inputs.of(raw)
+        for _ in range(warmup):
+            step(model, inputs)
+            clear_grads(model)
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        step(model, inputs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        clear_grads(model)
+    else:
+        setup = session()
+        with _quiet_native_stderr():
+            setup.start()
+        try:
+            model, raw = build()
+            inputs = Inputs.of(raw)
+            for _ in range(warmup):
+                step(model, inputs)
+                clear_grads(model)
+        finally:
+            with _quiet_native_stderr():
+                setup.stop()
+        ledger = _AllocationLedger()
+        ledger.replay(setup)
+        resident = ledger.current
+        measured = session()
+        with _quiet_native_stderr():
+            measured.start()
+        try:
+            step(model, inputs)
+        finally:
+            with _quiet_native_stderr():
+                measured.stop()
+        peak = ledger.replay(measured)
+        clear_grads(model)
+    rank, size = 0, 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return model, inputs, RankMeasurement(peak, resident, size, rank)
