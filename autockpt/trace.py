@@ -146,6 +146,8 @@ def capture(
     if method in (None, "fx", "fx+leaves"):
         result = _trace_fx_with_leaves(model, inputs, leaves, input_names)
         if isinstance(result, Capture):
+            if method is None and _mostly_opaque(model, result, leaves):
+                return _prefer_export(model, inputs, result)
             return result
         fx_failure = result
         if method is not None:
@@ -163,6 +165,40 @@ def capture(
     raise ValueError(f"unknown capture method {method!r}; use 'fx', 'export' or None")
 
 
+_MAX_OPAQUE_SHARE = 0.5
+
+
+def _mostly_opaque(model: nn.Module, captured: Capture, user_leaves: set[str]) -> bool:
+    """Whether the automatic leaves of an fx capture hold more than half of the model's
+    parameters. A leaf is one node to the planner: nothing inside it can be checkpointed
+    apart, so a capture that is mostly leaves (a Hugging Face model whose body branches on
+    shapes becomes a single leaf) leaves the planner nothing to choose from."""
+    auto = [name for name in captured.leaf_modules if name not in user_leaves]
+    if not auto:
+        return False
+    total = sum(p.numel() for p in model.parameters())
+    opaque: set[int] = set()
+    for name in auto:
+        opaque |= {id(p) for p in model.get_submodule(name).parameters()}
+    held = sum(p.numel() for p in model.parameters() if id(p) in opaque)
+    return total > 0 and held > _MAX_OPAQUE_SHARE * total
+
+
+def _prefer_export(model: nn.Module, inputs: Inputs, fx_capture: Capture) -> Capture:
+    """Capture with torch.export instead of a mostly-opaque fx graph; keep the fx capture
+    when export fails too (e.g. value-dependent control flow inside the leaves)."""
+    leaves = ", ".join(fx_capture.leaf_modules)
+    try:
+        reason = f"fx would run {leaves} as opaque leaves holding most of the parameters"
+        return _capture_export(model, inputs, [], reason)
+    except Exception as error:  # noqa: BLE001 - the fx capture still works
+        fx_capture.warnings.append(
+            f"torch.export could not capture the model either ({type(error).__name__}), so "
+            f"{leaves} stay opaque leaves: the plan cannot checkpoint inside them"
+        )
+        return fx_capture
+
+
 # ---------------------------------------------------------------------------------------------
 # fx path
 
@@ -176,11 +212,19 @@ class _LeafTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
 
-    def __init__(self, leaves: set[str]) -> None:
+    def __init__(self, leaves: set[str], call_shape: _CallShape | None = None) -> None:
         super().__init__()
         self.leaves = leaves
+        self.call_shape = call_shape
         self.failed_module: str | None = None
         self.saw_checkpoint = False
+
+    def create_args_for_root(
+        self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        if self.call_shape is None:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        return self.call_shape.root_call(self, root_fn)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
@@ -206,6 +250,55 @@ class _LeafTracer(fx.Tracer):
         return super().create_arg(a)
 
 
+@dataclass(frozen=True)
+class _CallShape:
+    """How the traced forward is called: which parameters arrive positionally and which by
+    keyword. Used for forwards that fx cannot read its own signature from: a decorated
+    ``forward(self, *args, **kwargs)`` wrapper around the real one (Hugging Face's
+    ``can_return_tuple`` / ``check_model_inputs``), whose code fx would try to rewrite. The
+    traced function then calls the forward exactly as the user does, with one input per
+    given argument, and the parameters not given keep their defaults."""
+
+    positional: tuple[str, ...]
+    keyword: tuple[str, ...]
+
+    def root_call(
+        self, tracer: fx.Tracer, root_fn: Callable[..., Any]
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        args = [tracer.create_proxy("placeholder", name, (), {}) for name in self.positional]
+        kwargs = {
+            name: tracer.create_proxy("placeholder", name, (), {}) for name in self.keyword
+        }
+
+        def call(root: nn.Module) -> Any:
+            return root_fn(root, *args, **kwargs)
+
+        return call, [tracer.root]
+
+
+def _call_shape(
+    model: nn.Module, inputs: Inputs, input_names: Iterable[str] | None
+) -> _CallShape | None:
+    """A :class:`_CallShape` when ``model.forward`` is a decorated wrapper (fx's own
+    argument handling breaks on those), else ``None``."""
+    forward = type(model).forward
+    if inspect.unwrap(forward) is forward:
+        return None
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    positional_params = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if input_names is not None and not inputs.args and not inputs.kwargs:
+        names = list(input_names)
+        return _CallShape((), tuple(names))
+    if len(inputs.args) > len(positional_params):
+        raise TypeError(
+            f"{type(model).__name__}.forward takes {len(positional_params)} positional "
+            f"arguments, got {len(inputs.args)}"
+        )
+    return _CallShape(tuple(positional_params[: len(inputs.args)]), tuple(inputs.kwargs))
+
+
 @functools.cache
 def _dataclass_builder(cls: type) -> Callable[[dict[str, Any]], Any]:
     """A named function that rebuilds a ``cls`` output in the traced graph (generated code
@@ -226,8 +319,9 @@ def _trace_fx_with_leaves(
     ``(module, error)`` for a failure that a leaf cannot fix."""
     auto_leaves: list[str] = []
     concrete = _concrete_args(model, inputs, input_names)
+    shape = _call_shape(model, inputs, input_names)
     for _ in range(_MAX_LEAF_RETRIES):
-        tracer = _LeafTracer(leaves | set(auto_leaves))
+        tracer = _LeafTracer(leaves | set(auto_leaves), shape)
         with _watch_checkpoint_calls(tracer):
             try:
                 graph = tracer.trace(model, concrete_args=concrete)
@@ -351,7 +445,8 @@ def _restore_placeholder_names(graph: fx.Graph, model: nn.Module) -> None:
 
 
 def _capture_export(
-    model: nn.Module, inputs: Inputs, notes: list[str], fx_failure: tuple[str, BaseException] | None
+    model: nn.Module, inputs: Inputs, notes: list[str],
+    fx_failure: tuple[str, BaseException] | str | None,
 ) -> Capture:
     with warnings.catch_warnings(), _quiet_torch_logs():
         warnings.simplefilter("ignore")
@@ -367,7 +462,9 @@ def _capture_export(
         name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)
     }
     note = "captured with torch.export (non-strict)"
-    if fx_failure is not None:
+    if isinstance(fx_failure, str):
+        note += f" because {fx_failure}"
+    elif fx_failure is not None:
         module, error = fx_failure
         where = f"module '{module}'" if module else "the root module"
         note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
