@@ -76,15 +76,31 @@ def _tokens(batch: int, seq_len: int, vocab: int = _VOCAB) -> dict[str, Tensor]:
 
 
 def gpt2(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, batch: int = 4, seq_len: int = 32,
-    dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    batch: int = 4,
+    seq_len: int = 32,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """GPT-2 language model: learned positions, fused QKV (Conv1D), tied embeddings."""
     model = _build(
-        transformers.GPT2Config, transformers.GPT2LMHeadModel, seed,
-        vocab_size=_VOCAB, n_positions=2 * seq_len, n_embd=hidden, n_layer=layers, n_head=heads,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
-        bos_token_id=0, eos_token_id=0,
+        transformers.GPT2Config,
+        transformers.GPT2LMHeadModel,
+        seed,
+        vocab_size=_VOCAB,
+        n_positions=2 * seq_len,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     inputs = _tokens(batch, seq_len)
     inputs["labels"] = inputs["input_ids"].clone()
@@ -92,17 +108,34 @@ def gpt2(
 
 
 def llama(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, batch: int = 4,
-    seq_len: int = 32, dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    batch: int = 4,
+    seq_len: int = 32,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """Llama: grouped-query attention (``kv_heads < heads``), rotary embeddings, RMSNorm,
     SwiGLU MLP, attention dropout."""
     model = _build(
-        transformers.LlamaConfig, transformers.LlamaForCausalLM, seed,
-        vocab_size=_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2 * seq_len, attention_dropout=dropout, use_cache=False,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        seed,
+        vocab_size=_VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2 * seq_len,
+        attention_dropout=dropout,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
     )
     inputs = _tokens(batch, seq_len)
     inputs["labels"] = inputs["input_ids"].clone()
@@ -114,16 +147,29 @@ def llama(
 
 
 def bert(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, batch: int = 4, seq_len: int = 32,
-    dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    batch: int = 4,
+    seq_len: int = 32,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """BERT masked language model: padding mask, token types, GELU, tied decoder."""
     model = _build(
-        transformers.BertConfig, transformers.BertForMaskedLM, seed,
-        vocab_size=_VOCAB, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=2 * hidden,
-        max_position_embeddings=2 * seq_len, hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout, pad_token_id=0,
+        transformers.BertConfig,
+        transformers.BertForMaskedLM,
+        seed,
+        vocab_size=_VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=2 * seq_len,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        pad_token_id=0,
     )
     inputs = _tokens(batch, seq_len)
     labels = inputs["input_ids"].clone()
@@ -134,17 +180,34 @@ def bert(
 
 
 def t5(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, batch: int = 4, seq_len: int = 32,
-    dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    batch: int = 4,
+    seq_len: int = 32,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """T5 encoder-decoder: relative position bias, cross-attention, decoder inputs shifted
     from ``labels`` inside the model."""
     model = _build(
-        transformers.T5Config, transformers.T5ForConditionalGeneration, seed,
-        vocab_size=_VOCAB, d_model=hidden, d_kv=hidden // heads, d_ff=2 * hidden,
-        num_layers=layers, num_decoder_layers=layers, num_heads=heads,
-        relative_attention_num_buckets=8, dropout_rate=dropout, use_cache=False,
-        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        transformers.T5Config,
+        transformers.T5ForConditionalGeneration,
+        seed,
+        vocab_size=_VOCAB,
+        d_model=hidden,
+        d_kv=hidden // heads,
+        d_ff=2 * hidden,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=heads,
+        relative_attention_num_buckets=8,
+        dropout_rate=dropout,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
     )
     inputs = _tokens(batch, seq_len)
     inputs["labels"] = torch.randint(2, _VOCAB, (batch, seq_len // 2))
@@ -163,44 +226,79 @@ def _images(batch: int, size: int, num_labels: int) -> dict[str, Tensor]:
 
 
 def vit(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, batch: int = 4, image: int = 32,
-    patch: int = 4, dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    batch: int = 4,
+    image: int = 32,
+    patch: int = 4,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """ViT image classifier: patch embedding convolution, class token, 64 patches."""
     model = _build(
-        transformers.ViTConfig, transformers.ViTForImageClassification, seed,
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=2 * hidden, image_size=image, patch_size=patch,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, num_labels=10,
+        transformers.ViTConfig,
+        transformers.ViTForImageClassification,
+        seed,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        image_size=image,
+        patch_size=patch,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=10,
     )
     return model, _images(batch, image, 10)
 
 
 def convnext(
-    *, stages: int = 3, width: int = 16, batch: int = 4, image: int = 64,
-    drop_path: float = _DROPOUT, seed: int = 0,
+    *,
+    stages: int = 3,
+    width: int = 16,
+    batch: int = 4,
+    image: int = 64,
+    drop_path: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """ConvNeXt image classifier: depthwise 7x7 convolutions, LayerNorm over channels,
     layer scale and stochastic depth (drop path, random like dropout)."""
     model = _build(
-        transformers.ConvNextConfig, transformers.ConvNextForImageClassification, seed,
-        num_stages=stages, hidden_sizes=[width * 2**i for i in range(stages)],
-        depths=[2] * stages, drop_path_rate=drop_path, num_labels=10,
+        transformers.ConvNextConfig,
+        transformers.ConvNextForImageClassification,
+        seed,
+        num_stages=stages,
+        hidden_sizes=[width * 2**i for i in range(stages)],
+        depths=[2] * stages,
+        drop_path_rate=drop_path,
+        num_labels=10,
     )
     return model, _images(batch, image, 10)
 
 
 def resnet(
-    *, width: int = 8, depth: int = 4, batch: int = 4, image: int = 64, seed: int = 0,
+    *,
+    width: int = 8,
+    depth: int = 4,
+    batch: int = 4,
+    image: int = 64,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """Hugging Face ResNet classifier: two stages of ``depth`` basic blocks with BatchNorm
     (running statistics are buffers the forward updates in place) and in-place residual
     additions. Deep stages rather than wide ones, so activations lie along the chain and
     not only in the full-resolution stem."""
     model = _build(
-        transformers.ResNetConfig, transformers.ResNetForImageClassification, seed,
-        embedding_size=width, hidden_sizes=[2 * width, 4 * width], depths=[depth, depth],
-        layer_type="basic", num_labels=10,
+        transformers.ResNetConfig,
+        transformers.ResNetForImageClassification,
+        seed,
+        embedding_size=width,
+        hidden_sizes=[2 * width, 4 * width],
+        depths=[depth, depth],
+        layer_type="basic",
+        num_labels=10,
     )
     return model, _images(batch, image, 10)
 
@@ -210,16 +308,33 @@ def resnet(
 
 
 def mistral(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 1, batch: int = 4,
-    seq_len: int = 32, dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 1,
+    batch: int = 4,
+    seq_len: int = 32,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """Mistral: sliding-window attention, grouped-query attention with one key/value head."""
     model = _build(
-        transformers.MistralConfig, transformers.MistralForCausalLM, seed,
-        vocab_size=_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=2 * seq_len, sliding_window=seq_len // 2,
-        attention_dropout=dropout, use_cache=False, bos_token_id=0, eos_token_id=0,
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        seed,
+        vocab_size=_VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2 * seq_len,
+        sliding_window=seq_len // 2,
+        attention_dropout=dropout,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
         pad_token_id=0,
     )
     inputs = _tokens(batch, seq_len)
@@ -228,15 +343,31 @@ def mistral(
 
 
 def distilbert(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, batch: int = 4, seq_len: int = 32,
-    dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    batch: int = 4,
+    seq_len: int = 32,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """DistilBERT sequence classifier: no token types, pre-classifier dropout."""
     model = _build(
-        transformers.DistilBertConfig, transformers.DistilBertForSequenceClassification, seed,
-        vocab_size=_VOCAB, dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=2 * hidden,
-        max_position_embeddings=2 * seq_len, dropout=dropout, attention_dropout=dropout,
-        seq_classif_dropout=dropout, num_labels=3, pad_token_id=0,
+        transformers.DistilBertConfig,
+        transformers.DistilBertForSequenceClassification,
+        seed,
+        vocab_size=_VOCAB,
+        dim=hidden,
+        n_layers=layers,
+        n_heads=heads,
+        hidden_dim=2 * hidden,
+        max_position_embeddings=2 * seq_len,
+        dropout=dropout,
+        attention_dropout=dropout,
+        seq_classif_dropout=dropout,
+        num_labels=3,
+        pad_token_id=0,
     )
     inputs = _tokens(batch, seq_len)
     inputs["labels"] = torch.randint(0, 3, (batch,))
@@ -244,16 +375,32 @@ def distilbert(
 
 
 def gpt_neox(
-    *, layers: int = 2, hidden: int = 64, heads: int = 4, batch: int = 4, seq_len: int = 32,
-    dropout: float = _DROPOUT, seed: int = 0,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    batch: int = 4,
+    seq_len: int = 32,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """GPT-NeoX: parallel attention + MLP residual, partial rotary embeddings."""
     model = _build(
-        transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, seed,
-        vocab_size=_VOCAB, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=2 * hidden,
-        max_position_embeddings=2 * seq_len, rotary_pct=0.5, attention_dropout=dropout,
-        hidden_dropout=dropout, use_cache=False, bos_token_id=0, eos_token_id=0,
+        transformers.GPTNeoXConfig,
+        transformers.GPTNeoXForCausalLM,
+        seed,
+        vocab_size=_VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=2 * seq_len,
+        rotary_pct=0.5,
+        attention_dropout=dropout,
+        hidden_dropout=dropout,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     inputs = _tokens(batch, seq_len)
     inputs["labels"] = inputs["input_ids"].clone()
@@ -261,16 +408,29 @@ def gpt_neox(
 
 
 def swin(
-    *, width: int = 16, batch: int = 4, image: int = 32, dropout: float = _DROPOUT,
+    *,
+    width: int = 16,
+    batch: int = 4,
+    image: int = 32,
+    dropout: float = _DROPOUT,
     seed: int = 0,
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """Swin Transformer classifier: shifted-window attention (rolls, window partition
     reshapes, an attention mask built from the image size), patch merging, drop path."""
     model = _build(
-        transformers.SwinConfig, transformers.SwinForImageClassification, seed,
-        image_size=image, patch_size=2, embed_dim=width, depths=[2, 2], num_heads=[2, 4],
-        window_size=4, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-        drop_path_rate=dropout, num_labels=10,
+        transformers.SwinConfig,
+        transformers.SwinForImageClassification,
+        seed,
+        image_size=image,
+        patch_size=2,
+        embed_dim=width,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=4,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        drop_path_rate=dropout,
+        num_labels=10,
     )
     return model, _images(batch, image, 10)
 
