@@ -448,10 +448,30 @@ def _capture_export(
     model: nn.Module, inputs: Inputs, notes: list[str],
     fx_failure: tuple[str, BaseException] | str | None,
 ) -> Capture:
+    dropped: list[str] = []
     with warnings.catch_warnings(), _quiet_torch_logs():
         warnings.simplefilter("ignore")
-        exported = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+        try:
+            exported = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+        except Exception as error:  # noqa: BLE001 - retried once, else the first error stands
+            # Outputs export cannot carry (a key/value cache object a model returns with
+            # use_cache on) are left out; anything else fails the same way again.
+            try:
+                with _outputs_without_opaque_objects(model, dropped):
+                    exported = torch.export.export(
+                        model, inputs.args, inputs.kwargs, strict=False
+                    )
+            except Exception:  # noqa: BLE001
+                raise error from None
+            if not dropped:
+                raise
         gm = exported.module()
+    if dropped:
+        notes.append(
+            "outputs that are not tensors or containers of them are returned as None by the "
+            f"optimized model: {', '.join(sorted(set(dropped)))} (a training step does not "
+            "use them; turn them off in the model, e.g. use_cache=False, to silence this)"
+        )
     # Export's input guards are checked by our own fingerprint; the guard submodule is not
     # part of the user's tree, so drop it.
     for node in list(gm.graph.nodes):
@@ -470,6 +490,39 @@ def _capture_export(
         note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
     notes.append(note)
     return Capture(gm, "export", (), notes, extras)
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+@contextlib.contextmanager
+def _outputs_without_opaque_objects(model: nn.Module, dropped: list[str]) -> Iterator[None]:
+    """While exporting, ``model`` returns its output with every leaf that is not a tensor or
+    a plain value (one pytree does not know how to take apart) replaced by ``None``; the
+    class names of what was replaced are appended to ``dropped``. The model is restored on
+    exit (the override is an instance attribute, removed again)."""
+    had_own = "forward" in vars(model)
+    previous = vars(model).get("forward")
+    original = model.forward
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, _PLAIN_LEAVES):
+            return value
+        dropped.append(type(value).__name__)
+        return None
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils._pytree.tree_map(strip, original(*args, **kwargs))
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            model.forward = previous
+        else:
+            del model.forward
 
 
 @contextlib.contextmanager
