@@ -167,7 +167,7 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
     """The tables of docs/models.md: one per group, one row per model."""
     header = (
         "| model | parameters | nodes traced | capture | eager peak (MiB) | plan peak at 50% "
-        "(MiB) | predicted / measured at 50% (MiB) | recompute overhead at 50% (measured, "
+        "(MiB) | budget / predicted / measured at 50% (MiB) | recompute overhead at 50% (measured, "
         "predicted) | within budget at 10/50/90% | gradients equal |\n"
         "|---|---:|---:|:-:|---:|---:|---:|---:|:-:|:-:|\n"
     )
@@ -190,7 +190,8 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
                 f"| {r['model']} ({r['class']}) | {r['parameters']:,} | {r['nodes']} "
                 f"| {r['capture']} | {_mib(r['eager_peak_bytes'])} "
                 f"| {_mib(mid['measured_peak_bytes'])} "
-                f"| {_mib(mid['predicted_peak_bytes'])} / {_mib(mid['measured_peak_bytes'])} "
+                f"| {_mib(mid['budget_bytes'])} / {_mib(mid['predicted_peak_bytes'])} / "
+                f"{_mib(mid['measured_peak_bytes'])} "
                 f"| {100 * (mid['step_ratio'] - 1):+.0f}%, "
                 f"{100 * mid['predicted_recompute_fraction']:.0f}% "
                 f"| {within} | {equal} |\n"
@@ -213,7 +214,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", help="model names (default: all)")
     parser.add_argument("--out", type=Path, default=Path("out/models"))
     parser.add_argument("--docs", type=Path, help="markdown file whose tables to regenerate")
-    parser.add_argument("--machine", default=f"{os.cpu_count()}-core {platform.machine()} CPU")
+    gpu = "a GPU" if torch.cuda.is_available() else "no GPU"
+    parser.add_argument(
+        "--machine", default=f"{os.cpu_count()}-core {platform.machine()} CPU, {gpu}"
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     table = factories()
