@@ -102,6 +102,10 @@ def test_keyword_inputs_model_output_and_default_loss() -> None:
     assert type(out) is type(ref)
     torch.testing.assert_close(out.loss, ref.loss)
     torch.testing.assert_close(out.logits, ref.logits)
+    # evaluation mode (no dropout) runs the user's forward on the same tensors
+    fast.eval(), eager.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(**inputs).logits, eager(**inputs).logits)
 
 
 def test_export_plan_saves_and_applies(tmp_path) -> None:
