@@ -9,7 +9,13 @@ Three capture paths are tried in order, each one only when the previous one fail
    its parameters and buffers stay in place and its memory is still profiled.
 3. ``export``: when the failure is in the root's own code (nothing to make a leaf), the model
    is captured with ``torch.export.export(strict=False)``, whose training IR keeps dropout,
-   batch-norm statistics updates and parameter names.
+   batch-norm statistics updates and parameter names. Export is also preferred over an fx
+   capture whose automatic leaves hold most of the parameters (a Hugging Face body that
+   branches on shapes would be one opaque node), when it succeeds.
+
+Models as libraries ship them are handled on the way: a decorated ``forward(*args,
+**kwargs)`` wrapper is traced as the user calls it, and output objects export cannot carry
+(a key/value cache) are returned as ``None``, with a note in :attr:`Capture.warnings`.
 
 Every path yields a graph whose ``get_attr`` / ``call_module`` targets are qualified names in
 the *original* module tree, so the rewritten module can keep using the user's own parameter
@@ -289,8 +295,7 @@ def _call_shape(
         p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     if input_names is not None and not inputs.args and not inputs.kwargs:
-        names = list(input_names)
-        return _CallShape((), tuple(names))
+        return _CallShape((), tuple(input_names))
     if len(inputs.args) > len(positional_params):
         raise TypeError(
             f"{type(model).__name__}.forward takes {len(positional_params)} positional "
@@ -463,8 +468,6 @@ def _capture_export(
                     )
             except Exception:  # noqa: BLE001
                 raise error from None
-            if not dropped:
-                raise
         gm = exported.module()
     if dropped:
         notes.append(
