@@ -38,7 +38,22 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         "autockpt.zoo_hf needs Hugging Face transformers: pip install 'autockpt[hf]'"
     ) from error
 
-__all__ = ["HF_HELD_OUT", "HF_ZOO", "bert", "convnext", "gpt2", "llama", "t5", "vit"]
+__all__ = [
+    "HF_HELD_OUT",
+    "HF_ZOO",
+    "bert",
+    "convnext",
+    "distilbert",
+    "gpt2",
+    "gpt_neox",
+    "llama",
+    "mistral",
+    "resnet",
+    "swin",
+    "t5",
+    "vit",
+    "whisper_encoder",
+]
 
 _VOCAB = 256
 _DROPOUT = 0.1
@@ -435,6 +450,45 @@ def swin(
     return model, _images(batch, image, 10)
 
 
+def whisper_encoder(
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    mel_bins: int = 16,
+    frames: int = 64,
+    batch: int = 4,
+    dropout: float = _DROPOUT,
+    seed: int = 0,
+) -> tuple[nn.Module, dict[str, Tensor]]:
+    """Whisper encoder as an audio classifier: a strided 1-d convolution front end over mel
+    features, sinusoidal positions, pre-norm encoder layers, mean-pooled head."""
+    model = _build(
+        transformers.WhisperConfig,
+        transformers.WhisperForAudioClassification,
+        seed,
+        num_mel_bins=mel_bins,
+        d_model=hidden,
+        encoder_layers=layers,
+        encoder_attention_heads=heads,
+        encoder_ffn_dim=2 * hidden,
+        decoder_layers=1,
+        decoder_attention_heads=heads,
+        decoder_ffn_dim=2 * hidden,
+        max_source_positions=frames // 2,
+        dropout=dropout,
+        attention_dropout=dropout,
+        activation_dropout=dropout,
+        vocab_size=_VOCAB,
+        num_labels=5,
+    )
+    inputs = {
+        "input_features": torch.randn(batch, mel_bins, frames),
+        "labels": torch.randint(0, 5, (batch,)),
+    }
+    return model, inputs
+
+
 HF_ZOO: dict[str, ModelFactory] = {
     "hf_gpt2": gpt2,
     "hf_llama": llama,
@@ -451,6 +505,7 @@ HF_HELD_OUT: dict[str, ModelFactory] = {
     "hf_distilbert": distilbert,
     "hf_gpt_neox": gpt_neox,
     "hf_swin": swin,
+    "hf_whisper_encoder": whisper_encoder,
 }
 """Architectures kept out of development: run the same checks to see whether capture
 generalises (results in docs/models.md)."""
