@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autockpt.errors import TraceError
+from autockpt.errors import PlanMismatchError, TraceError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MAX_LEAF_RETRIES = 64
@@ -477,13 +477,17 @@ def _capture_export(
         )
     # Export's input guards are checked by our own fingerprint; the guard submodule is not
     # part of the user's tree, so drop it.
+    guards = []
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards"):
+            guards.append(gm.get_submodule(str(node.target)))
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     extras = {
         name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)
     }
+    if guards and "_in_spec" in extras:
+        extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature())
     note = "captured with torch.export (non-strict)"
     if isinstance(fx_failure, str):
         note += f" because {fx_failure}"
@@ -493,6 +497,36 @@ def _capture_export(
         note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
     notes.append(note)
     return Capture(gm, "export", (), notes, extras)
+
+
+INPUT_CHECK = "_autockpt_check_inputs"
+"""Name of the attribute (a plain function ``check(args, kwargs)``) by which an export
+capture's input guards reach the rewritten module."""
+
+
+def _input_check(guards: list[Any], in_spec: Any, planned: str) -> Callable[[tuple, dict], None]:
+    """Export specialises its graph to the example shapes and non-tensor inputs (a view to
+    ``[4, 32, 4, 16]``); another batch shape would fail deep inside the graph with an
+    unrelated message, or not at all. Export's own guards say it up front; this check runs
+    them on every call of the optimized model and raises a typed error that says what to do."""
+    from torch.fx._pytree import tree_flatten_spec
+
+    def check_inputs(args: tuple, kwargs: dict) -> None:
+        try:
+            flat = tree_flatten_spec((list(args), kwargs), in_spec)
+        except Exception:  # noqa: BLE001 - the graph's own input handling reports it
+            return
+        for guard in guards:
+            try:
+                guard(*flat)
+            except AssertionError as error:
+                raise PlanMismatchError(
+                    f"this optimized model was planned for inputs {planned} and its graph "
+                    f"is specialised to them ({error}); give batches of that shape (e.g. "
+                    "drop_last=True) or plan again for this one"
+                ) from None
+
+    return check_inputs
 
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))

@@ -142,3 +142,20 @@ def test_model_with_cache_on_captures_and_trains_like_eager() -> None:
     assert fast.plan.segments
     assert fast(**inputs).past_key_values is None
     assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(fast, inputs))
+
+
+def test_export_plan_refuses_other_input_shapes_with_a_clear_error() -> None:
+    """An export graph is specialised to the planned shapes; a smaller last batch must be
+    refused up front with a typed error, also on a deep copy, while evaluation mode (the
+    user's own forward) takes any shape."""
+    model, inputs = HF_ZOO["hf_gpt2"]()
+    fast = autockpt.optimize(model, inputs, budget_gb=1.0)
+    smaller = {name: value[:2] for name, value in inputs.items()}
+    with pytest.raises(PlanMismatchError, match="drop_last"):
+        fast(**smaller)
+    with pytest.raises(PlanMismatchError, match="drop_last"):
+        copy.deepcopy(fast)(**smaller)
+    fast(**inputs).loss.backward()  # the planned shape still runs
+    fast.eval()
+    with torch.no_grad():
+        assert fast(**smaller).logits.shape[0] == 2
