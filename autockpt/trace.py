@@ -357,6 +357,12 @@ _CHECKPOINT_WARNING = (
 )
 
 
+class _CheckpointSeen:
+    """What :class:`_watch_checkpoint_calls` reports to when there is no fx tracer (export)."""
+
+    saw_checkpoint = False
+
+
 class _watch_checkpoint_calls:
     """Notice calls of ``torch.utils.checkpoint.checkpoint`` made while tracing.
 
@@ -365,7 +371,7 @@ class _watch_checkpoint_calls:
     checkpoint's code objects is the one place that sees it.
     """
 
-    def __init__(self, tracer: _LeafTracer) -> None:
+    def __init__(self, tracer: _LeafTracer | _CheckpointSeen) -> None:
         self.tracer = tracer
         from torch.utils import checkpoint as ckpt
 
@@ -454,7 +460,8 @@ def _capture_export(
     fx_failure: tuple[str, BaseException] | str | None,
 ) -> Capture:
     dropped: list[str] = []
-    with warnings.catch_warnings(), _quiet_torch_logs():
+    seen = _CheckpointSeen()
+    with warnings.catch_warnings(), _quiet_torch_logs(), _watch_checkpoint_calls(seen):
         warnings.simplefilter("ignore")
         try:
             exported = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
@@ -469,6 +476,9 @@ def _capture_export(
             except Exception:  # noqa: BLE001
                 raise error from None
         gm = exported.module()
+    if seen.saw_checkpoint:
+        notes.append(_CHECKPOINT_WARNING)
+        warnings.warn(_CHECKPOINT_WARNING, stacklevel=3)
     if dropped:
         notes.append(
             "outputs that are not tensors or containers of them are returned as None by the "

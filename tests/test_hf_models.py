@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 import autockpt  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
 from autockpt.errors import GIB, PlanMismatchError  # noqa: E402
+from autockpt.rewrite import SegmentSpec, rewrite  # noqa: E402
 from autockpt.trace import Inputs, capture  # noqa: E402
 from autockpt.zoo import ZOO  # noqa: E402
 from autockpt.zoo_hf import HF_HELD_OUT, HF_ZOO  # noqa: E402
@@ -93,8 +94,9 @@ def test_keyword_inputs_model_output_and_default_loss() -> None:
     model, inputs = HF_ZOO["hf_bert"]()
     assert set(inputs) == {"input_ids", "attention_mask", "token_type_ids", "labels"}
     eager = copy.deepcopy(model)
-    low = Planner(copy.deepcopy(model), inputs).minimum_peak_bytes
-    fast = autockpt.optimize(model, inputs, budget_gb=1.2 * low / GIB)
+    planner = Planner(model, inputs)
+    fast = planner.optimize(budget_gb=1.2 * planner.minimum_peak_bytes / GIB)
+    assert fast.plan.segments
     torch.manual_seed(0)
     out = fast(**inputs)
     torch.manual_seed(0)
@@ -149,7 +151,8 @@ def test_export_plan_refuses_other_input_shapes_with_a_clear_error() -> None:
     refused up front with a typed error, also on a deep copy, while evaluation mode (the
     user's own forward) takes any shape."""
     model, inputs = HF_ZOO["hf_gpt2"]()
-    fast = autockpt.optimize(model, inputs, budget_gb=1.0)
+    captured = capture(model, Inputs.of(inputs))
+    fast = rewrite(model, captured, [SegmentSpec(10, 60, preserve_rng=True)])
     smaller = {name: value[:2] for name, value in inputs.items()}
     with pytest.raises(PlanMismatchError, match="drop_last"):
         fast(**smaller)
@@ -159,3 +162,16 @@ def test_export_plan_refuses_other_input_shapes_with_a_clear_error() -> None:
     fast.eval()
     with torch.no_grad():
         assert fast(**smaller).logits.shape[0] == 2
+
+
+def test_model_checkpointed_by_hand_is_reported_on_the_export_path() -> None:
+    """Hugging Face's own gradient checkpointing is inlined by capture (the plan replaces
+    it), as on the fx path, and the user is told; training still matches eager."""
+    model, inputs = HF_ZOO["hf_llama"]()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.warns(UserWarning, match="already calls torch.utils.checkpoint"):
+        captured = capture(model, Inputs.of(inputs))
+    assert captured.method == "export"
+    assert any("already calls torch.utils.checkpoint" in note for note in captured.warnings)
+    fast = rewrite(model, captured, [SegmentSpec(20, 120, preserve_rng=True)])
+    assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(fast, inputs))
