@@ -516,7 +516,7 @@ capture's input guards reach the rewritten module."""
 
 def _input_check(guards: list[Any], in_spec: Any, planned: str) -> Callable[[tuple, dict], None]:
     """Export specialises its graph to the example shapes and non-tensor inputs (a view to
-    ``[4, 32, 4, 16]``); another batch shape would fail deep inside the graph with an
+    ``[4, -1]``); another batch shape would fail deep inside the graph with an
     unrelated message, or not at all. Export's own guards say it up front; this check runs
     them on every call of the optimized model and raises a typed error that says what to do."""
     from torch.fx._pytree import tree_flatten_spec
