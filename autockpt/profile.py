@@ -113,8 +113,10 @@ def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> li
 
 def run_graph(capture: Capture, model: nn.Module, inputs: Inputs, interpreter: fx.Interpreter | None = None) -> Any:
     """Run the captured graph on the original module tree and return the user-facing output."""
-    interp = interpreter or fx.Interpreter(model, graph=capture.graph)
-    flat = interp.run(*placeholder_values(capture, model, inputs))
+    interp = interpreter or CaptureInterpreter(model, capture)
+    # Inputs are flattened and outputs rebuilt here, once (the interpreter would otherwise
+    # rebuild an export graph's pytree output a second time).
+    flat = interp.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
     return capture.graph._codegen.process_outputs(flat)
 
 
@@ -255,14 +257,33 @@ def checkpoint_overhead_seconds(device: torch.device, repeat: int = 50) -> float
     return max(0.0, statistics.median(extra))
 
 
-class _Recorder(fx.Interpreter):
+class CaptureInterpreter(fx.Interpreter):
+    """Runs a capture's graph on the user's module tree. Attributes the tree lacks are
+    constants that capture created (torch.export lifts tensors a forward builds, e.g. with
+    ``torch.tensor``, into ``lifted_tensor_<k>``); they are read from the capture."""
+
+    def __init__(self, model: nn.Module, capture: Capture, **kwargs: Any) -> None:
+        super().__init__(model, graph=capture.graph, **kwargs)
+        self.capture_module = capture.graph_module
+
+    def fetch_attr(self, target: str) -> Any:
+        try:
+            return super().fetch_attr(target)
+        except RuntimeError:
+            obj: Any = self.capture_module
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            return obj
+
+
+class _Recorder(CaptureInterpreter):
     """An interpreter that records, per node, saved/output/mutated storages (``record``) or
     forward wall time (timing runs). Values are kept alive for the whole run so that storage
     addresses are never reused within one profile."""
 
     def __init__(self, model: nn.Module, capture: Capture, index_of: dict[fx.Node, int],
                  static_keys: set[tuple[str, int]], record: bool) -> None:
-        super().__init__(model, garbage_collect_values=not record, graph=capture.graph)
+        super().__init__(model, capture, garbage_collect_values=not record)
         self.index_of = index_of
         self.static_keys = static_keys
         self.record = record

@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autockpt.trace import Capture
+from autockpt.trace import INPUT_CHECK, Capture
 
 SEGMENT_PREFIX = "_autockpt_segment_"
 
@@ -180,6 +180,8 @@ def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec])
     preserved = result.meta.setdefault("_user_preserved_attributes", {})
     preserved["_autockpt_original"] = _OriginalRef(model, model.training)
     preserved["forward"] = types.MethodType(_forward_in_any_mode, result)
+    if INPUT_CHECK in capture.extra_attributes:
+        preserved[INPUT_CHECK] = capture.extra_attributes[INPUT_CHECK]
     for name, value in preserved.items():
         object.__setattr__(result, name, value)
     result._deepcopy_hooks = [_readopt_after_deepcopy]
@@ -201,6 +203,9 @@ def _forward_in_any_mode(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any
     tree, since capture baked mode-dependent branches (``training=self.training``) in."""
     original: _OriginalRef = self._autockpt_original
     if self.training == original.captured_training:
+        check_inputs = getattr(self, INPUT_CHECK, None)
+        if check_inputs is not None:
+            check_inputs(args, kwargs)
         return type(self).forward(self, *args, **kwargs)
     original.module.training = self.training
     # An engine wrapping the result (fully_shard) replaces the tensors the root holds

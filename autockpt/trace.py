@@ -9,7 +9,13 @@ Three capture paths are tried in order, each one only when the previous one fail
    its parameters and buffers stay in place and its memory is still profiled.
 3. ``export``: when the failure is in the root's own code (nothing to make a leaf), the model
    is captured with ``torch.export.export(strict=False)``, whose training IR keeps dropout,
-   batch-norm statistics updates and parameter names.
+   batch-norm statistics updates and parameter names. Export is also preferred over an fx
+   capture whose automatic leaves hold most of the parameters (a Hugging Face body that
+   branches on shapes would be one opaque node), when it succeeds.
+
+Models as libraries ship them are handled on the way: a decorated ``forward(*args,
+**kwargs)`` wrapper is traced as the user calls it, and output objects export cannot carry
+(a key/value cache) are returned as ``None``, with a note in :attr:`Capture.warnings`.
 
 Every path yields a graph whose ``get_attr`` / ``call_module`` targets are qualified names in
 the *original* module tree, so the rewritten module can keep using the user's own parameter
@@ -38,7 +44,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autockpt.errors import TraceError
+from autockpt.errors import PlanMismatchError, TraceError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MAX_LEAF_RETRIES = 64
@@ -146,6 +152,8 @@ def capture(
     if method in (None, "fx", "fx+leaves"):
         result = _trace_fx_with_leaves(model, inputs, leaves, input_names)
         if isinstance(result, Capture):
+            if method is None and _mostly_opaque(model, result, leaves):
+                return _prefer_export(model, inputs, result)
             return result
         fx_failure = result
         if method is not None:
@@ -163,6 +171,40 @@ def capture(
     raise ValueError(f"unknown capture method {method!r}; use 'fx', 'export' or None")
 
 
+_MAX_OPAQUE_SHARE = 0.5
+
+
+def _mostly_opaque(model: nn.Module, captured: Capture, user_leaves: set[str]) -> bool:
+    """Whether the automatic leaves of an fx capture hold more than half of the model's
+    parameters. A leaf is one node to the planner: nothing inside it can be checkpointed
+    apart, so a capture that is mostly leaves (a Hugging Face model whose body branches on
+    shapes becomes a single leaf) leaves the planner nothing to choose from."""
+    auto = [name for name in captured.leaf_modules if name not in user_leaves]
+    if not auto:
+        return False
+    total = sum(p.numel() for p in model.parameters())
+    opaque: set[int] = set()
+    for name in auto:
+        opaque |= {id(p) for p in model.get_submodule(name).parameters()}
+    held = sum(p.numel() for p in model.parameters() if id(p) in opaque)
+    return total > 0 and held > _MAX_OPAQUE_SHARE * total
+
+
+def _prefer_export(model: nn.Module, inputs: Inputs, fx_capture: Capture) -> Capture:
+    """Capture with torch.export instead of a mostly-opaque fx graph; keep the fx capture
+    when export fails too (e.g. value-dependent control flow inside the leaves)."""
+    leaves = ", ".join(fx_capture.leaf_modules)
+    try:
+        reason = f"fx would run {leaves} as opaque leaves holding most of the parameters"
+        return _capture_export(model, inputs, [], reason)
+    except Exception as error:  # noqa: BLE001 - the fx capture still works
+        fx_capture.warnings.append(
+            f"torch.export could not capture the model either ({type(error).__name__}), so "
+            f"{leaves} stay opaque leaves: the plan cannot checkpoint inside them"
+        )
+        return fx_capture
+
+
 # ---------------------------------------------------------------------------------------------
 # fx path
 
@@ -176,11 +218,19 @@ class _LeafTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
 
-    def __init__(self, leaves: set[str]) -> None:
+    def __init__(self, leaves: set[str], call_shape: _CallShape | None = None) -> None:
         super().__init__()
         self.leaves = leaves
+        self.call_shape = call_shape
         self.failed_module: str | None = None
         self.saw_checkpoint = False
+
+    def create_args_for_root(
+        self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        if self.call_shape is None:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        return self.call_shape.root_call(self, root_fn)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
@@ -206,6 +256,54 @@ class _LeafTracer(fx.Tracer):
         return super().create_arg(a)
 
 
+@dataclass(frozen=True)
+class _CallShape:
+    """How the traced forward is called: which parameters arrive positionally and which by
+    keyword. Used for forwards that fx cannot read its own signature from: a decorated
+    ``forward(self, *args, **kwargs)`` wrapper around the real one (Hugging Face's
+    ``can_return_tuple`` / ``check_model_inputs``), whose code fx would try to rewrite. The
+    traced function then calls the forward exactly as the user does, with one input per
+    given argument, and the parameters not given keep their defaults."""
+
+    positional: tuple[str, ...]
+    keyword: tuple[str, ...]
+
+    def root_call(
+        self, tracer: fx.Tracer, root_fn: Callable[..., Any]
+    ) -> tuple[Callable[..., Any], list[Any]]:
+        args = [tracer.create_proxy("placeholder", name, (), {}) for name in self.positional]
+        kwargs = {
+            name: tracer.create_proxy("placeholder", name, (), {}) for name in self.keyword
+        }
+
+        def call(root: nn.Module) -> Any:
+            return root_fn(root, *args, **kwargs)
+
+        return call, [tracer.root]
+
+
+def _call_shape(
+    model: nn.Module, inputs: Inputs, input_names: Iterable[str] | None
+) -> _CallShape | None:
+    """A :class:`_CallShape` when ``model.forward`` is a decorated wrapper (fx's own
+    argument handling breaks on those), else ``None``."""
+    forward = type(model).forward
+    if inspect.unwrap(forward) is forward:
+        return None
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    positional_params = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if input_names is not None and not inputs.args and not inputs.kwargs:
+        return _CallShape((), tuple(input_names))
+    if len(inputs.args) > len(positional_params):
+        raise TypeError(
+            f"{type(model).__name__}.forward takes {len(positional_params)} positional "
+            f"arguments, got {len(inputs.args)}"
+        )
+    return _CallShape(tuple(positional_params[: len(inputs.args)]), tuple(inputs.kwargs))
+
+
 @functools.cache
 def _dataclass_builder(cls: type) -> Callable[[dict[str, Any]], Any]:
     """A named function that rebuilds a ``cls`` output in the traced graph (generated code
@@ -226,8 +324,9 @@ def _trace_fx_with_leaves(
     ``(module, error)`` for a failure that a leaf cannot fix."""
     auto_leaves: list[str] = []
     concrete = _concrete_args(model, inputs, input_names)
+    shape = _call_shape(model, inputs, input_names)
     for _ in range(_MAX_LEAF_RETRIES):
-        tracer = _LeafTracer(leaves | set(auto_leaves))
+        tracer = _LeafTracer(leaves | set(auto_leaves), shape)
         with _watch_checkpoint_calls(tracer):
             try:
                 graph = tracer.trace(model, concrete_args=concrete)
@@ -258,6 +357,12 @@ _CHECKPOINT_WARNING = (
 )
 
 
+class _CheckpointSeen:
+    """What :class:`_watch_checkpoint_calls` reports to when there is no fx tracer (export)."""
+
+    saw_checkpoint = False
+
+
 class _watch_checkpoint_calls:
     """Notice calls of ``torch.utils.checkpoint.checkpoint`` made while tracing.
 
@@ -266,7 +371,7 @@ class _watch_checkpoint_calls:
     checkpoint's code objects is the one place that sees it.
     """
 
-    def __init__(self, tracer: _LeafTracer) -> None:
+    def __init__(self, tracer: _LeafTracer | _CheckpointSeen) -> None:
         self.tracer = tracer
         from torch.utils import checkpoint as ckpt
 
@@ -351,28 +456,120 @@ def _restore_placeholder_names(graph: fx.Graph, model: nn.Module) -> None:
 
 
 def _capture_export(
-    model: nn.Module, inputs: Inputs, notes: list[str], fx_failure: tuple[str, BaseException] | None
+    model: nn.Module, inputs: Inputs, notes: list[str],
+    fx_failure: tuple[str, BaseException] | str | None,
 ) -> Capture:
-    with warnings.catch_warnings(), _quiet_torch_logs():
+    dropped: list[str] = []
+    seen = _CheckpointSeen()
+    with warnings.catch_warnings(), _quiet_torch_logs(), _watch_checkpoint_calls(seen):
         warnings.simplefilter("ignore")
-        exported = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+        try:
+            exported = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
+        except Exception as error:  # noqa: BLE001 - retried once, else the first error stands
+            # Outputs export cannot carry (a key/value cache object a model returns with
+            # use_cache on) are left out; anything else fails the same way again.
+            try:
+                with _outputs_without_opaque_objects(model, dropped):
+                    exported = torch.export.export(
+                        model, inputs.args, inputs.kwargs, strict=False
+                    )
+            except Exception:  # noqa: BLE001
+                raise error from None
         gm = exported.module()
+    if seen.saw_checkpoint:
+        notes.append(_CHECKPOINT_WARNING)
+        warnings.warn(_CHECKPOINT_WARNING, stacklevel=3)
+    if dropped:
+        notes.append(
+            "outputs that are not tensors or containers of them are returned as None by the "
+            f"optimized model: {', '.join(sorted(set(dropped)))} (a training step does not "
+            "use them; turn them off in the model, e.g. use_cache=False, to silence this)"
+        )
     # Export's input guards are checked by our own fingerprint; the guard submodule is not
     # part of the user's tree, so drop it.
+    guards = []
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards"):
+            guards.append(gm.get_submodule(str(node.target)))
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
     extras = {
         name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)
     }
+    if guards and "_in_spec" in extras:
+        extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature())
     note = "captured with torch.export (non-strict)"
-    if fx_failure is not None:
+    if isinstance(fx_failure, str):
+        note += f" because {fx_failure}"
+    elif fx_failure is not None:
         module, error = fx_failure
         where = f"module '{module}'" if module else "the root module"
         note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
     notes.append(note)
     return Capture(gm, "export", (), notes, extras)
+
+
+INPUT_CHECK = "_autockpt_check_inputs"
+"""Name of the attribute (a plain function ``check(args, kwargs)``) by which an export
+capture's input guards reach the rewritten module."""
+
+
+def _input_check(guards: list[Any], in_spec: Any, planned: str) -> Callable[[tuple, dict], None]:
+    """Export specialises its graph to the example shapes and non-tensor inputs (a view to
+    ``[4, -1]``); another batch shape would fail deep inside the graph with an
+    unrelated message, or not at all. Export's own guards say it up front; this check runs
+    them on every call of the optimized model and raises a typed error that says what to do."""
+    from torch.fx._pytree import tree_flatten_spec
+
+    def check_inputs(args: tuple, kwargs: dict) -> None:
+        try:
+            flat = tree_flatten_spec((list(args), kwargs), in_spec)
+        except Exception:  # noqa: BLE001 - the graph's own input handling reports it
+            return
+        for guard in guards:
+            try:
+                guard(*flat)
+            except AssertionError as error:
+                raise PlanMismatchError(
+                    f"this optimized model was planned for inputs {planned} and its graph "
+                    f"is specialised to them ({error}); give batches of that shape (e.g. "
+                    "drop_last=True) or plan again for this one"
+                ) from None
+
+    return check_inputs
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+@contextlib.contextmanager
+def _outputs_without_opaque_objects(model: nn.Module, dropped: list[str]) -> Iterator[None]:
+    """While exporting, ``model`` returns its output with every leaf that is not a tensor or
+    a plain value (one pytree does not know how to take apart) replaced by ``None``; the
+    class names of what was replaced are appended to ``dropped``. The model is restored on
+    exit (the override is an instance attribute, removed again)."""
+    had_own = "forward" in vars(model)
+    previous = vars(model).get("forward")
+    original = model.forward
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, _PLAIN_LEAVES):
+            return value
+        dropped.append(type(value).__name__)
+        return None
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils._pytree.tree_map(strip, original(*args, **kwargs))
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            model.forward = previous
+        else:
+            del model.forward
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 
 import pytest
@@ -329,3 +330,132 @@ def test_given_input_names_follow_the_signature_order():
     assert given_input_names(model, Inputs.of({"mask": x, "x": x})) == ("x", "mask")
     assert given_input_names(model, Inputs((x,), {"mask": x})) == ("x", "mask")
     assert given_input_names(model, Inputs((), {})) == ()
+
+
+# --------------------------------------------------------------------------------------------
+# models as libraries write them: decorated forwards, shape branches in the body, constants
+
+
+def _returns_dict(forward):
+    """A decorator like Hugging Face's ``can_return_tuple``: the class's ``forward`` becomes
+    a ``(self, *args, **kwargs)`` wrapper around the real one."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return {"out": forward(self, *args, **kwargs)}
+
+    return wrapper
+
+
+class DecoratedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    @_returns_dict
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        h = torch.relu(self.proj(x))
+        if mask is not None:
+            h = h * mask
+        return h * kwargs.get("scale", 1.0)
+
+
+def test_decorated_forward_traces_with_fx_as_called():
+    torch.manual_seed(0)
+    model, x = DecoratedForward(), _x()
+    mask = (torch.rand(3, WIDTH) > 0.5).float()
+    cap = _capture(model, {"x": x, "mask": mask})
+    assert cap.method == "fx"
+    assert [str(n.target) for n in cap.graph.nodes if n.op == "placeholder"] == ["x", "mask"]
+    got = run_graph(cap, model, Inputs.of({"mask": mask, "x": x}))
+    torch.testing.assert_close(got["out"], model(x, mask=mask)["out"])
+    positional = _capture(model, (x,))
+    torch.testing.assert_close(run_graph(positional, model, Inputs.of(x))["out"], model(x)["out"])
+    # re-capturing from the saved input names gives the same graph (autockpt.apply)
+    again = capture(model, Inputs((), {}), method="fx", input_names=("x", "mask"))
+    assert again.fingerprint() == cap.fingerprint()
+
+
+class ShapeBranchBody(nn.Module):
+    """Branches on ``ndim`` like a transformer body checking its mask: fx fails here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim < 3:
+            x = x.unsqueeze(1)
+        for layer in self.layers:
+            x = self.drop(torch.tanh(layer(x)))
+        return x.squeeze(1)
+
+
+class ValueBranchBody(ShapeBranchBody):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            x = -x
+        return super().forward(x)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_mostly_opaque_fx_capture_gives_way_to_export():
+    """A leaf holding most of the model leaves nothing to plan: export captures it whole,
+    in training mode (dropout stays in the graph), under the user's parameter names."""
+    torch.manual_seed(0)
+    model, x = Wrapped(ShapeBranchBody()).train(), _x()
+    cap = _capture(model, x)
+    assert cap.method == "export"
+    assert cap.leaf_modules == ()
+    assert any("opaque leaves" in note for note in cap.warnings)
+    targets = {str(n.target) for n in cap.graph.nodes if n.op == "get_attr"}
+    assert "body.layers.3.weight" in targets and "head.bias" in targets
+    assert any("dropout" in str(n.target) for n in cap.compute_nodes())
+    torch.manual_seed(7)
+    got = run_graph(cap, model, Inputs.of(x))
+    torch.manual_seed(7)
+    torch.testing.assert_close(got, model(x))
+
+
+def test_mostly_opaque_capture_is_kept_when_export_fails_too():
+    torch.manual_seed(0)
+    model, x = Wrapped(ValueBranchBody()), _x()
+    cap = _capture(model, x)
+    assert cap.method == "fx+leaves"
+    assert cap.leaf_modules == ("body",)
+    assert any("cannot checkpoint inside" in note for note in cap.warnings)
+
+
+class BuildsConstant(nn.Module):
+    """Makes a tensor in forward (export lifts it into a graph constant) and branches on a
+    shape in the root (so fx gives way to export)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = x * torch.tensor([0.5])
+        return torch.relu(self.proj(x))
+
+
+def test_export_constants_are_profiled_and_rewritten():
+    torch.manual_seed(0)
+    model, x = BuildsConstant(), _x()
+    cap = _capture(model, x)
+    assert cap.method == "export"
+    assert any(str(n.target).startswith("lifted_tensor") for n in cap.graph.nodes)
+    torch.testing.assert_close(run_graph(cap, model, Inputs.of(x)), model(x))
+    fast = autockpt.optimize(model, x, budget_gb=1.0)
+    torch.testing.assert_close(fast(x), model(x))
