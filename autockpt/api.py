@@ -13,7 +13,7 @@ when both the prediction and the measurement fit.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,14 +21,17 @@ from torch import nn
 
 from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.measure import Measurement, measure
-from autockpt.plan import MemoryBreakdown, Plan, Segment
+from autockpt.plan import MemoryBreakdown, MemoryTimeline, Plan, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
 from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.runtime import LossFn
 from autockpt.solve import minimum_peak, no_checkpoint_peak, solve_chain
 from autockpt.trace import Capture, Inputs, capture, given_input_names
-from solvers import Solution, simulate
+from solvers import Simulation, Solution, simulate
+
+ProgressFn = Callable[[str], None]
+"""Called with a short description (``"profiling"``) as each planning stage begins."""
 
 SCOPES = ("total", "activations")
 _VERIFY_ROUNDS = 4
@@ -86,15 +89,19 @@ class Planner:
         leaf_modules: Iterable[str] = (),
         calibrate: bool = True,
         max_stages: int = DEFAULT_MAX_STAGES,
+        progress: ProgressFn | None = None,
     ) -> None:
         _check_model(model)
+        self.progress: ProgressFn = progress or (lambda stage: None)
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.model = model
         self.inputs = Inputs.of(example_inputs)
         self.scope = scope
         self.loss_fn = loss_fn
+        self.progress("capturing the graph")
         self.capture = capture(model, self.inputs, leaf_modules=leaf_modules)
+        self.progress("profiling")
         self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
         chain = build_chain(
             self.capture, self.profile, max_stages=max_stages,
@@ -106,6 +113,8 @@ class Planner:
             chain = dataclasses.replace(
                 chain, problem=dataclasses.replace(chain.problem, param_grad_bytes=zeros)
             )
+        if calibrate:
+            self.progress("measuring the unmodified model")
         self.eager = measure(model, self.inputs, loss_fn=loss_fn, repeat=3) if calibrate else None
         self.calibration = 0
         if self.eager is not None:
@@ -134,6 +143,7 @@ class Planner:
         underestimate = 0  # largest measured-minus-predicted peak seen so far
         checked: Measurement | None = None
         for _ in range(_VERIFY_ROUNDS):
+            self.progress("solving")
             try:
                 solution = solve_chain(
                     problem.with_budget(budget_bytes - underestimate), method=solver,
@@ -147,6 +157,7 @@ class Planner:
             result = rewrite(self.model, self.capture, specs)
             if not verify:
                 break
+            self.progress("measuring the plan")
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
             if self._used(checked) <= budget_bytes:
                 break
@@ -156,6 +167,36 @@ class Planner:
             raise self._measured_infeasible(budget_bytes, underestimate)
         result.plan = _make_plan(self, solution, specs, budget_bytes, checked)
         return result
+
+    # -- several budgets, one profile (frontiers, reports) ----------------------------------
+
+    @property
+    def step_seconds(self) -> float:
+        """Step time of the unmodified model: measured when calibrated, else profiled."""
+        return self.eager.step_seconds if self.eager is not None else self.profile.step_seconds
+
+    def solve(self, budget_bytes: int, *, solver: str = "dp", time_limit_s: float = 30.0) -> Solution:
+        """Solve the chain for ``budget_bytes`` without rewriting or measuring (cheap: the
+        profile is reused). Raises :class:`InfeasibleBudgetError` below the minimum."""
+        return solve_chain(
+            self.chain.problem.with_budget(int(budget_bytes)), method=solver,
+            time_limit_s=time_limit_s, breakdown=self.breakdown, scope=self.scope,
+        )
+
+    def simulate(self, segments: Sequence[tuple[int, int]]) -> Simulation:
+        """The chain model's prediction for checkpointing the given stage ranges."""
+        return simulate(self.chain.problem, segments)
+
+    def rewrite(self, segments: Sequence[tuple[int, int]]) -> nn.Module:
+        """The model rewritten to checkpoint the given stage ranges (no solving, no check)."""
+        given = Solution(segments=[tuple(seg) for seg in segments], recompute_seconds=0.0,
+                         peak_bytes=0, status="feasible", method="given", solve_seconds=0.0, gap=None)
+        return rewrite(self.model, self.capture, _segment_specs(self.chain, self.profile, self.capture, given))
+
+    def budgeted_bytes(self, measurement: Measurement) -> int:
+        """The part of a measured peak that the budget covers (all of it for scope
+        ``total``; what lies above parameters, buffers, inputs and gradients otherwise)."""
+        return self._used(measurement)
 
     def _measured_infeasible(self, budget_bytes: int, underestimate: int) -> InfeasibleBudgetError:
         return InfeasibleBudgetError(
@@ -347,4 +388,19 @@ def _make_plan(
         measured_step_seconds=checked.step_seconds if checked is not None else None,
         device=prof.device,
         notes=tuple(notes),
+        timeline=_timeline(problem, simulation),
+    )
+
+
+def _timeline(problem: Any, simulation: Simulation) -> MemoryTimeline:
+    """The compact per-event record ``autockpt show --plot`` draws (see MemoryTimeline)."""
+    letter = {"forward": "f", "recompute": "r", "backward": "b"}
+    without = simulate(problem, []).timeline
+    return MemoryTimeline(
+        phases="".join(letter[phase] for phase, _, _ in simulation.timeline),
+        stages=tuple(stage for _, stage, _ in simulation.timeline),
+        plan_bytes=tuple(nbytes for _, _, nbytes in simulation.timeline),
+        no_checkpoint_bytes=tuple(nbytes for _, _, nbytes in without),
+        stage_forward_seconds=tuple(round(t, 9) for t in problem.forward_seconds),
+        stage_backward_seconds=tuple(round(t, 9) for t in problem.backward_seconds),
     )
