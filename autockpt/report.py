@@ -95,7 +95,8 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     for name, justify in (("#", "right"), ("stages", "left"), ("first node", "left"),
                           ("last node", "left"), ("recompute", "right"), ("frees", "right"),
                           ("rng", "left"), ("restores buffers", "left")):
-        segments.add_column(name, justify=justify)  # type: ignore[arg-type]
+        # Node names are what a reader greps the graph for: wrap them, never elide them.
+        segments.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for k, seg in enumerate(plan.segments):
         segments.add_row(
             str(k), f"[{seg.start_stage}, {seg.end_stage})", seg.first_node, seg.last_node,
@@ -112,9 +113,21 @@ def render_plan(plan: Plan, width: int = 110) -> str:
 
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
+    print_plan(plan, console)
+    return buffer.getvalue()
+
+
+def print_plan(plan: Plan, console: Any = None) -> None:
+    """Print the tables of :func:`plan_tables` to ``console`` (a rich Console; default:
+    stdout, 120 columns wide when stdout is not a terminal so node names stay whole)."""
+    import sys
+
+    from rich.console import Console
+
+    if console is None:
+        console = Console() if sys.stdout.isatty() else Console(width=120)
     for table in plan_tables(plan):
         console.print(table)
-    return buffer.getvalue()
 
 
 # -- figures -------------------------------------------------------------------------------
