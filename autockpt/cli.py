@@ -47,10 +47,8 @@ SOLVERS = ("auto", "dp", "ilp", "sqrt", "greedy")  # solvers.METHODS, without im
 # ``autockpt bench NAME`` runs ``run(quick, out)`` of the module named here (in the
 # repository's benchmarks/ folder): a new benchmark is one more entry.
 BENCHMARKS = {
-    "solvers": ("benchmarks.solvers_bench",
-                "solve time and quality on synthetic and zoo chains"),
-    "budgets": ("benchmarks.budgets",
-                "measured peak and step time across budgets on the zoo"),
+    "solvers": ("benchmarks.solvers_bench", "solve time and quality on synthetic and zoo chains"),
+    "budgets": ("benchmarks.budgets", "measured peak and step time across budgets on the zoo"),
 }
 
 
@@ -130,9 +128,13 @@ def _at_least_two(text: str) -> int:
     return value
 
 
-def _common(command: argparse.ArgumentParser, json_help: str = "print one JSON object on stdout") -> None:
+def _common(
+    command: argparse.ArgumentParser, json_help: str = "print one JSON object on stdout"
+) -> None:
     command.add_argument("--json", action="store_true", help=json_help)
-    command.add_argument("--quiet", action="store_true", help="print nothing but errors; no progress")
+    command.add_argument(
+        "--quiet", action="store_true", help="print nothing but errors; no progress"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,9 +142,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="autockpt",
         description="Place activation checkpoints so that training fits a memory budget.",
         epilog="SPEC is package.module:factory, importable from the current directory; the "
-               "factory returns (model, example_inputs). Exit codes: 0 ok, 1 a check failed, "
-               "2 usage, 3 budget too small, 4 bad plan file, 5 bad SPEC, 6 model not "
-               "capturable, 7 output not writable, 8 matplotlib missing.",
+        "factory returns (model, example_inputs). Exit codes: 0 ok, 1 a check failed, "
+        "2 usage, 3 budget too small, 4 bad plan file, 5 bad SPEC, 6 model not "
+        "capturable, 7 output not writable, 8 matplotlib missing.",
     )
     sub = parser.add_subparsers(metavar="COMMAND")
 
@@ -150,29 +152,44 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--blocks", type=int, default=32)
     demo.add_argument("--width", type=int, default=128)
     demo.add_argument("--batch", type=int, default=512)
-    demo.add_argument("--budget-gb", type=_positive_float, default=None,
-                      help="budget in GiB (default: halfway between the leanest plan and none)")
+    demo.add_argument(
+        "--budget-gb",
+        type=_positive_float,
+        default=None,
+        help="budget in GiB (default: halfway between the leanest plan and none)",
+    )
     demo.add_argument("--solver", choices=SOLVERS, default="auto")
     _common(demo)
     demo.set_defaults(run=_demo)
 
     plan = sub.add_parser("plan", help="make a plan for SPEC under a budget")
     plan.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
-    plan.add_argument("--budget-gb", type=_positive_float, required=True,
-                      help="peak memory budget of one training step, GiB (2**30 bytes)")
+    plan.add_argument(
+        "--budget-gb",
+        type=_positive_float,
+        required=True,
+        help="peak memory budget of one training step, GiB (2**30 bytes)",
+    )
     plan.add_argument("--solver", choices=SOLVERS, default="auto")
     plan.add_argument("--scope", choices=("total", "activations"), default="total")
-    plan.add_argument("--time-limit", type=_positive_float, default=30.0,
-                      help="solver time limit, seconds")
+    plan.add_argument(
+        "--time-limit", type=_positive_float, default=30.0, help="solver time limit, seconds"
+    )
     plan.add_argument("-o", "--output", default="plan.json")
     _common(plan, "print the plan JSON on stdout")
     plan.set_defaults(run=_plan)
 
-    show = sub.add_parser("show", help="print a saved plan as tables; --plot draws its memory timeline")
+    show = sub.add_parser(
+        "show", help="print a saved plan as tables; --plot draws its memory timeline"
+    )
     show.add_argument("plan")
-    show.add_argument("--plot", metavar="PNG", default=None,
-                      help="write the predicted memory over one step (no checkpoint vs the plan, "
-                           "with the budget) to this image file")
+    show.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="write the predicted memory over one step (no checkpoint vs the plan, "
+        "with the budget) to this image file",
+    )
     _common(show, "print the plan JSON on stdout")
     show.set_defaults(run=_show)
 
@@ -183,24 +200,45 @@ def _parser() -> argparse.ArgumentParser:
     verify.set_defaults(run=_verify)
 
     frontier = sub.add_parser(
-        "frontier", help="recompute overhead vs peak memory across budgets (one profile)")
+        "frontier", help="recompute overhead vs peak memory across budgets (one profile)"
+    )
     frontier.add_argument("spec")
-    frontier.add_argument("-o", "--output", default="frontier.png", help="plot file (default frontier.png)")
+    frontier.add_argument(
+        "-o", "--output", default="frontier.png", help="plot file (default frontier.png)"
+    )
     frontier.add_argument("--no-plot", action="store_true", help="do not draw the plot")
-    frontier.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT.json",
-                          help="write the frontier as JSON to OUT.json (stdout when no file is named)")
-    frontier.add_argument("--quiet", action="store_true", help="print nothing but errors; no progress")
-    frontier.add_argument("--budgets", type=_at_least_two, default=12,
-                          help="budgets to solve, evenly spaced from the leanest plan to none (default 12)")
+    frontier.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="OUT.json",
+        help="write the frontier as JSON to OUT.json (stdout when no file is named)",
+    )
+    frontier.add_argument(
+        "--quiet", action="store_true", help="print nothing but errors; no progress"
+    )
+    frontier.add_argument(
+        "--budgets",
+        type=_at_least_two,
+        default=12,
+        help="budgets to solve, evenly spaced from the leanest plan to none (default 12)",
+    )
     frontier.add_argument("--solver", choices=SOLVERS, default="dp")
     frontier.add_argument("--scope", choices=("total", "activations"), default="total")
-    frontier.add_argument("--measure", action="store_true",
-                          help="also rewrite and measure every point (one real step each; slower)")
+    frontier.add_argument(
+        "--measure",
+        action="store_true",
+        help="also rewrite and measure every point (one real step each; slower)",
+    )
     frontier.set_defaults(run=_frontier)
 
     bench = sub.add_parser("bench", help="run a benchmark: " + " | ".join(BENCHMARKS))
-    bench.add_argument("which", choices=tuple(BENCHMARKS),
-                       help="; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items()))
+    bench.add_argument(
+        "which",
+        choices=tuple(BENCHMARKS),
+        help="; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items()),
+    )
     bench.add_argument("--quick", action="store_true", help="a short run")
     bench.add_argument("--out", default=None, help="output folder (default out/<which>)")
     _common(bench, 'print {"out": folder} on stdout')
@@ -245,9 +283,15 @@ class Progress:
         )
         from rich.progress import Progress as Bar
 
-        self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=Console(stderr=True), transient=True)
+        self._bar = Bar(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
         self._task = self._bar.add_task("starting", total=None)
         self._timer = threading.Timer(self.delay_s, self._start)
         self._timer.daemon = True
@@ -268,8 +312,12 @@ class Progress:
         if self._bar is not None:
             self._bar.update(self._task, completed=done)
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         if self._timer is not None:
             self._timer.cancel()
         with self._lock:
@@ -289,7 +337,9 @@ def _write(path: str, write: Callable[[str], None], what: str) -> None:
     try:
         write(path)
     except OSError as error:
-        raise OutputError(f"cannot write the {what} to {path}: {error.strerror or error}") from error
+        raise OutputError(
+            f"cannot write the {what} to {path}: {error.strerror or error}"
+        ) from error
 
 
 def _load_plan(path: str) -> Any:
@@ -318,7 +368,9 @@ def load_spec(spec: str) -> tuple[Any, Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - any import failure is the user's SPEC
-        raise SpecError(f"cannot import {module_name!r}: {type(error).__name__}: {error}") from error
+        raise SpecError(
+            f"cannot import {module_name!r}: {type(error).__name__}: {error}"
+        ) from error
     factory: Callable[[], Any] | None = getattr(module, attr, None)
     if not callable(factory):
         raise SpecError(f"{module_name!r} has no callable {attr!r}")
@@ -339,24 +391,30 @@ def _demo(args: argparse.Namespace) -> int:
 
     model, x = block_stack(blocks=args.blocks, width=args.width, batch=args.batch)
     say = _say(args)
-    say(f"seed workload: {args.blocks} blocks of Linear({args.width}->{2 * args.width})->ReLU->"
-        f"Linear({2 * args.width}->{args.width}), batch {args.batch}")
+    say(
+        f"seed workload: {args.blocks} blocks of Linear({args.width}->{2 * args.width})->ReLU->"
+        f"Linear({2 * args.width}->{args.width}), batch {args.batch}"
+    )
     with Progress.for_args(args) as progress:
         planner = Planner(model, x, progress=progress.stage)
         prof = planner.profile
         say("memory breakdown:")
         for name, value in planner.breakdown.items():
             say(f"  {name:<36} {format_bytes(value):>12}")
-        say(f"  {'predicted peak without checkpointing':<36} {format_bytes(planner.no_checkpoint_peak_bytes):>12}")
+        say(
+            f"  {'predicted peak without checkpointing':<36} {format_bytes(planner.no_checkpoint_peak_bytes):>12}"
+        )
         budget_gb = args.budget_gb
         if budget_gb is None:
             budget_gb = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2 / GIB
         static = prof.param_bytes + prof.param_grad_bytes
         activations = prof.saved_bytes()
         if activations < 0.05 * static:
-            say(f"note: parameters + gradients are {format_bytes(static)} and saved activations only "
+            say(
+                f"note: parameters + gradients are {format_bytes(static)} and saved activations only "
                 f"{format_bytes(activations)}: checkpointing can save at most "
-                f"{100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of the peak here.")
+                f"{100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of the peak here."
+            )
         fast = planner.optimize(budget_gb=budget_gb, solver=args.solver)
         plan = fast.plan
         progress.stage("measuring")
@@ -366,20 +424,33 @@ def _demo(args: argparse.Namespace) -> int:
     say(plan.summary())
     say("")
     say(f"{'':<16}{'peak':>12}{'step':>12}")
-    say(f"{'no checkpoint':<16}{format_bytes(eager.peak_bytes):>12}{eager.step_seconds * 1e3:>10.1f}ms")
-    say(f"{'autockpt plan':<16}{format_bytes(checked.peak_bytes):>12}{checked.step_seconds * 1e3:>10.1f}ms")
+    say(
+        f"{'no checkpoint':<16}{format_bytes(eager.peak_bytes):>12}{eager.step_seconds * 1e3:>10.1f}ms"
+    )
+    say(
+        f"{'autockpt plan':<16}{format_bytes(checked.peak_bytes):>12}{checked.step_seconds * 1e3:>10.1f}ms"
+    )
     say(f"{'budget':<16}{format_bytes(plan.budget_bytes):>12}")
     fits = checked.peak_bytes <= plan.budget_bytes
-    say(f"measured peak {'fits' if fits else 'EXCEEDS'} the budget "
+    say(
+        f"measured peak {'fits' if fits else 'EXCEEDS'} the budget "
         f"({100 * checked.peak_bytes / plan.budget_bytes:.1f}% of it); step time "
-        f"{checked.step_seconds / eager.step_seconds:.2f}x of no checkpointing")
+        f"{checked.step_seconds / eager.step_seconds:.2f}x of no checkpointing"
+    )
     if args.json:
-        print(json.dumps({
-            "plan": json.loads(plan.to_json()),
-            "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": eager.step_seconds},
-            "optimized": {"peak_bytes": checked.peak_bytes, "step_seconds": checked.step_seconds},
-            "fits": fits,
-        }))
+        print(
+            json.dumps(
+                {
+                    "plan": json.loads(plan.to_json()),
+                    "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": eager.step_seconds},
+                    "optimized": {
+                        "peak_bytes": checked.peak_bytes,
+                        "step_seconds": checked.step_seconds,
+                    },
+                    "fits": fits,
+                }
+            )
+        )
     return EXIT_OK if fits else EXIT_VERIFY
 
 
@@ -389,8 +460,9 @@ def _plan(args: argparse.Namespace) -> int:
     model, inputs = load_spec(args.spec)
     with Progress.for_args(args) as progress:
         planner = Planner(model, inputs, scope=args.scope, progress=progress.stage)
-        fast = planner.optimize(budget_gb=args.budget_gb, solver=args.solver,
-                                time_limit_s=args.time_limit)
+        fast = planner.optimize(
+            budget_gb=args.budget_gb, solver=args.solver, time_limit_s=args.time_limit
+        )
     _write(args.output, fast.plan.save, "plan")
     if args.json:
         print(fast.plan.to_json(indent=None))
@@ -470,7 +542,8 @@ def _verify(args: argparse.Namespace) -> int:
             checks["loss equal"] = bool(torch.allclose(expected, got, rtol=1e-5, atol=1e-6))
             checks["gradients equal"] = all(
                 p.grad is not None and torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6)
-                for n, p in model.named_parameters() if n in grads
+                for n, p in model.named_parameters()
+                if n in grads
             )
         progress.stage("measuring peak memory and step time")
         measured = autockpt.measure(fast, example)
@@ -480,16 +553,27 @@ def _verify(args: argparse.Namespace) -> int:
     checks["peak within budget"] = used <= plan.budget_bytes
     ok = all(checks.values())
     if args.json:
-        print(json.dumps({"ok": ok, "checks": checks, "peak_bytes": used,
-                          "budget_bytes": plan.budget_bytes, "scope": plan.scope,
-                          "predicted_peak_bytes": plan.predicted_peak_bytes,
-                          "step_seconds": measured.step_seconds}))
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "checks": checks,
+                    "peak_bytes": used,
+                    "budget_bytes": plan.budget_bytes,
+                    "scope": plan.scope,
+                    "predicted_peak_bytes": plan.predicted_peak_bytes,
+                    "step_seconds": measured.step_seconds,
+                }
+            )
+        )
     else:
         say = _say(args)
         for name, value in checks.items():
             say(f"{'ok  ' if value else 'FAIL'} {name}")
-        say(f"measured peak {used} bytes vs budget {plan.budget_bytes} (scope={plan.scope}); "
-            f"step {measured.step_seconds * 1e3:.1f} ms")
+        say(
+            f"measured peak {used} bytes vs budget {plan.budget_bytes} (scope={plan.scope}); "
+            f"step {measured.step_seconds * 1e3:.1f} ms"
+        )
     return EXIT_OK if ok else EXIT_VERIFY
 
 
@@ -512,8 +596,9 @@ def _frontier(args: argparse.Namespace) -> int:
                 progress.stage(what, total)
             progress.advance(done)
 
-        result = frontier(planner, budgets=args.budgets, solver=args.solver,
-                          measure=args.measure, on_step=on_step)
+        result = frontier(
+            planner, budgets=args.budgets, solver=args.solver, measure=args.measure, on_step=on_step
+        )
     if not args.no_plot:
         figure = frontier_figure(result)
         _write(args.output, lambda path: save_figure(figure, path), "plot")
@@ -541,9 +626,11 @@ def _print_frontier(result: Any) -> None:
     from autockpt.errors import format_bytes
 
     measured = any(p.measured_peak_bytes is not None for p in (*result.points, result.sqrt_point))
-    table = Table(title=f"{result.model}: recompute vs peak (predicted; step "
-                        f"{result.step_seconds * 1e3:.1f} ms without checkpointing)",
-                  title_justify="left")
+    table = Table(
+        title=f"{result.model}: recompute vs peak (predicted; step "
+        f"{result.step_seconds * 1e3:.1f} ms without checkpointing)",
+        title_justify="left",
+    )
     for name in ("plan", "budget", "peak", "recompute", "overhead", "segments"):
         table.add_column(name, justify="left" if name == "plan" else "right")
     if measured:
@@ -560,8 +647,14 @@ def _print_frontier(result: Any) -> None:
             str(len(point.segments)),
         ]
         if measured:
-            cells.append("-" if point.measured_peak_bytes is None else format_bytes(point.measured_peak_bytes))
-            cells.append("-" if point.measured_overhead is None else f"{100 * point.measured_overhead:.1f}%")
+            cells.append(
+                "-"
+                if point.measured_peak_bytes is None
+                else format_bytes(point.measured_peak_bytes)
+            )
+            cells.append(
+                "-" if point.measured_overhead is None else f"{100 * point.measured_overhead:.1f}%"
+            )
         table.add_row(*cells)
     Console(width=None if sys.stdout.isatty() else 120).print(table)
 

@@ -48,13 +48,19 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     overview.add_column("value")
     gap = "unknown" if plan.solver_gap is None else f"{100 * plan.solver_gap:.2f}%"
     rows = [
-        ("graph", f"{plan.num_nodes} nodes in {len(plan.stages)} stages, captured with "
-                  f"{plan.capture_method}; fingerprint {plan.graph_fingerprint}"),
+        (
+            "graph",
+            f"{plan.num_nodes} nodes in {len(plan.stages)} stages, captured with "
+            f"{plan.capture_method}; fingerprint {plan.graph_fingerprint}",
+        ),
         ("inputs", plan.input_signature),
         ("budget", f"{format_bytes(plan.budget_bytes)} (scope={plan.scope})"),
         ("solver", f"{plan.solver}: {plan.solver_status}, gap {gap}, {plan.solve_seconds:.3f} s"),
-        ("written by", f"autockpt {plan.autockpt_version}, torch {plan.torch_version}, "
-                       f"schema {plan.schema_version}, device {plan.device}"),
+        (
+            "written by",
+            f"autockpt {plan.autockpt_version}, torch {plan.torch_version}, "
+            f"schema {plan.schema_version}, device {plan.device}",
+        ),
     ]
     rows += [("note", note) for note in plan.notes]
     for row in rows:
@@ -71,7 +77,9 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     for name, value in parts.items():
         memory.add_row(labels.get(name, name), format_bytes(value))
     if plan.calibration_bytes:
-        memory.add_row("calibration (measured, unseen by the graph)", format_bytes(plan.calibration_bytes))
+        memory.add_row(
+            "calibration (measured, unseen by the graph)", format_bytes(plan.calibration_bytes)
+        )
 
     peaks = Table(title="peak memory and step time", title_justify="left")
     peaks.add_column("")
@@ -81,27 +89,49 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     def measured(value: Any, fmt: Callable[[Any], str]) -> str:
         return "not measured" if value is None else fmt(value)
 
-    peaks.add_row("peak with the plan", format_bytes(plan.predicted_peak_bytes),
-                  measured(plan.measured_peak_bytes, format_bytes))
+    peaks.add_row(
+        "peak with the plan",
+        format_bytes(plan.predicted_peak_bytes),
+        measured(plan.measured_peak_bytes, format_bytes),
+    )
     peaks.add_row("budget", format_bytes(plan.budget_bytes), "")
     peaks.add_row("peak without checkpointing", format_bytes(plan.no_checkpoint_peak_bytes), "")
     peaks.add_row("leanest plan's peak", format_bytes(plan.minimum_peak_bytes), "")
-    peaks.add_row("step time with the plan", f"{plan.predicted_step_seconds * 1e3:.2f} ms",
-                  measured(plan.measured_step_seconds, lambda s: f"{s * 1e3:.2f} ms"))
-    peaks.add_row("recompute", f"{plan.predicted_recompute_seconds * 1e3:.2f} ms "
-                  f"({100 * plan.recompute_fraction:.1f}% of the step)", "")
+    peaks.add_row(
+        "step time with the plan",
+        f"{plan.predicted_step_seconds * 1e3:.2f} ms",
+        measured(plan.measured_step_seconds, lambda s: f"{s * 1e3:.2f} ms"),
+    )
+    peaks.add_row(
+        "recompute",
+        f"{plan.predicted_recompute_seconds * 1e3:.2f} ms "
+        f"({100 * plan.recompute_fraction:.1f}% of the step)",
+        "",
+    )
 
     segments = Table(title=f"{len(plan.segments)} checkpointed segment(s)", title_justify="left")
-    for name, justify in (("#", "right"), ("stages", "left"), ("first node", "left"),
-                          ("last node", "left"), ("recompute", "right"), ("frees", "right"),
-                          ("rng", "left"), ("restores buffers", "left")):
+    for name, justify in (
+        ("#", "right"),
+        ("stages", "left"),
+        ("first node", "left"),
+        ("last node", "left"),
+        ("recompute", "right"),
+        ("frees", "right"),
+        ("rng", "left"),
+        ("restores buffers", "left"),
+    ):
         # Node names are what a reader greps the graph for: wrap them, never elide them.
         segments.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for k, seg in enumerate(plan.segments):
         segments.add_row(
-            str(k), f"[{seg.start_stage}, {seg.end_stage})", seg.first_node, seg.last_node,
-            f"{seg.recompute_seconds * 1e3:.2f} ms", format_bytes(seg.bytes_freed),
-            "yes" if seg.preserve_rng else "no", ", ".join(seg.restore_buffers) or "-",
+            str(k),
+            f"[{seg.start_stage}, {seg.end_stage})",
+            seg.first_node,
+            seg.last_node,
+            f"{seg.recompute_seconds * 1e3:.2f} ms",
+            format_bytes(seg.bytes_freed),
+            "yes" if seg.preserve_rng else "no",
+            ", ".join(seg.restore_buffers) or "-",
         )
     return [overview, memory, peaks, segments]
 
@@ -147,7 +177,9 @@ def _scale(max_bytes: int) -> tuple[float, str]:
     return (2.0**30, "GiB") if max_bytes >= 2**30 else (float(MIB), "MiB")
 
 
-def _steps(events: Sequence[tuple[str, int, int, float]]) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+def _steps(
+    events: Sequence[tuple[str, int, int, float]],
+) -> tuple[list[float], list[float], list[tuple[float, float]]]:
     """Cumulative times (ms) and bytes for a step plot, plus the recompute intervals."""
     times, values, recompute = [0.0], [], []
     for phase, _, nbytes, seconds in events:
@@ -174,15 +206,35 @@ def timeline_figure(plan: Plan) -> Figure:
     unit, unit_name = _scale(max([plan.budget_bytes, *plan_bytes, *base_bytes]))
     fig = _figure(9, 4.8)
     ax = fig.add_subplot()
-    ax.step(base_times, [b / unit for b in base_bytes], where="post", color="tab:gray",
-            label=f"no checkpointing (peak {format_bytes(max(base_bytes))})")
-    ax.step(plan_times, [b / unit for b in plan_bytes], where="post", color="tab:blue",
-            label=f"plan, {len(plan.segments)} segment(s) (peak {format_bytes(max(plan_bytes))})")
-    ax.axhline(plan.budget_bytes / unit, color="tab:red", linestyle="--",
-               label=f"budget {format_bytes(plan.budget_bytes)}")
+    ax.step(
+        base_times,
+        [b / unit for b in base_bytes],
+        where="post",
+        color="tab:gray",
+        label=f"no checkpointing (peak {format_bytes(max(base_bytes))})",
+    )
+    ax.step(
+        plan_times,
+        [b / unit for b in plan_bytes],
+        where="post",
+        color="tab:blue",
+        label=f"plan, {len(plan.segments)} segment(s) (peak {format_bytes(max(plan_bytes))})",
+    )
+    ax.axhline(
+        plan.budget_bytes / unit,
+        color="tab:red",
+        linestyle="--",
+        label=f"budget {format_bytes(plan.budget_bytes)}",
+    )
     for k, (start, end) in enumerate(recompute):
-        ax.axvspan(start, end, color="tab:orange", alpha=0.2, linewidth=0,
-                   label="recompute" if k == 0 else None)
+        ax.axvspan(
+            start,
+            end,
+            color="tab:orange",
+            alpha=0.2,
+            linewidth=0,
+            label="recompute" if k == 0 else None,
+        )
     forward_end = 1e3 * sum(timeline.stage_forward_seconds)
     ax.axvline(forward_end, color="black", linestyle=":", linewidth=1, label="end of forward")
     ax.set_xlabel("time in one training step (predicted, ms)")
@@ -284,7 +336,8 @@ def frontier(
         base = (before + after) / 2
         measured = [
             dataclasses.replace(
-                point, measured_peak_bytes=planner.budgeted_bytes(result),
+                point,
+                measured_peak_bytes=planner.budgeted_bytes(result),
                 measured_step_seconds=result.step_seconds,
                 measured_overhead=result.step_seconds / base - 1 if base > 0 else None,
             )
@@ -294,27 +347,43 @@ def frontier(
         sqrt_point = measured[len(points)]
         per_block = measured[len(points) + 1] if per_block else None
     return Frontier(
-        model=type(planner.model).__name__, scope=planner.scope, solver=solver,
-        step_seconds=step, minimum_peak_bytes=low, no_checkpoint_peak_bytes=high,
-        points=tuple(points), sqrt_point=sqrt_point, per_block=per_block,
+        model=type(planner.model).__name__,
+        scope=planner.scope,
+        solver=solver,
+        step_seconds=step,
+        minimum_peak_bytes=low,
+        no_checkpoint_peak_bytes=high,
+        points=tuple(points),
+        sqrt_point=sqrt_point,
+        per_block=per_block,
         block_container=container if block_segments else None,
     )
 
 
-def _point(planner: Planner, label: str, segments: tuple[tuple[int, int], ...], step: float,
-           budget: int | None = None) -> FrontierPoint:
+def _point(
+    planner: Planner,
+    label: str,
+    segments: tuple[tuple[int, int], ...],
+    step: float,
+    budget: int | None = None,
+) -> FrontierPoint:
     simulation = planner.simulate(segments)
     return FrontierPoint(
-        label=label, segments=segments, predicted_peak_bytes=simulation.peak_bytes,
+        label=label,
+        segments=segments,
+        predicted_peak_bytes=simulation.peak_bytes,
         predicted_recompute_seconds=simulation.recompute_seconds,
-        overhead=simulation.recompute_seconds / step if step > 0 else 0.0, budget_bytes=budget,
+        overhead=simulation.recompute_seconds / step if step > 0 else 0.0,
+        budget_bytes=budget,
     )
 
 
 def _pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
     """Points that no other point beats on both peak and recompute, by increasing peak."""
     kept: list[FrontierPoint] = []
-    for point in sorted(points, key=lambda p: (p.predicted_peak_bytes, p.predicted_recompute_seconds)):
+    for point in sorted(
+        points, key=lambda p: (p.predicted_peak_bytes, p.predicted_recompute_seconds)
+    ):
         if not kept or point.predicted_recompute_seconds < kept[-1].predicted_recompute_seconds:
             kept.append(point)
     return kept
@@ -373,41 +442,78 @@ def _child_of(node: Any, prefix: str) -> str | None:
     """The direct child of the container (``prefix``) that ``node`` runs inside, if any."""
     paths = []
     for key, value in (node.meta.get("nn_module_stack") or {}).items():
-        paths.append(value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key)
+        paths.append(
+            value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key
+        )
     if node.op == "call_module":
         paths.append(str(node.target))
     for path in paths:
         if path.startswith(prefix) and len(path) > len(prefix):
-            return prefix + path[len(prefix):].split(".")[0]
+            return prefix + path[len(prefix) :].split(".")[0]
     return None
 
 
 def frontier_figure(result: Frontier) -> Figure:
     """Recompute overhead (share of a step) against peak memory: the optimal plans across
     budgets, the sqrt(n) and per-block baselines, and the measured points if any."""
-    everything = [*result.points, result.sqrt_point, *([result.per_block] if result.per_block else [])]
+    everything = [
+        *result.points,
+        result.sqrt_point,
+        *([result.per_block] if result.per_block else []),
+    ]
     unit, unit_name = _scale(max(p.predicted_peak_bytes for p in everything))
     fig = _figure(8, 4.8)
     ax = fig.add_subplot()
-    ax.plot([p.predicted_peak_bytes / unit for p in result.points],
-            [100 * p.overhead for p in result.points], marker="o", color="tab:blue",
-            label=f"optimal plans ({result.solver}), predicted")
-    ax.plot([result.sqrt_point.predicted_peak_bytes / unit], [100 * result.sqrt_point.overhead],
-            marker="*", markersize=14, linestyle="none", color="tab:orange",
-            label=f"sqrt(n): {len(result.sqrt_point.segments)} equal segments")
+    ax.plot(
+        [p.predicted_peak_bytes / unit for p in result.points],
+        [100 * p.overhead for p in result.points],
+        marker="o",
+        color="tab:blue",
+        label=f"optimal plans ({result.solver}), predicted",
+    )
+    ax.plot(
+        [result.sqrt_point.predicted_peak_bytes / unit],
+        [100 * result.sqrt_point.overhead],
+        marker="*",
+        markersize=14,
+        linestyle="none",
+        color="tab:orange",
+        label=f"sqrt(n): {len(result.sqrt_point.segments)} equal segments",
+    )
     if result.per_block is not None:
-        ax.plot([result.per_block.predicted_peak_bytes / unit], [100 * result.per_block.overhead],
-                marker="D", markersize=9, linestyle="none", color="tab:green",
-                label=f"per block: each child of '{result.block_container}'")
+        ax.plot(
+            [result.per_block.predicted_peak_bytes / unit],
+            [100 * result.per_block.overhead],
+            marker="D",
+            markersize=9,
+            linestyle="none",
+            color="tab:green",
+            label=f"per block: each child of '{result.block_container}'",
+        )
     measured = [p for p in everything if p.measured_peak_bytes is not None]
     if measured:
-        ax.plot([p.measured_peak_bytes / unit for p in measured],
-                [100 * (p.measured_overhead or 0.0) for p in measured], marker="x",
-                linestyle="none", color="black", label="measured (peak, step-time increase)")
-    ax.axvline(result.minimum_peak_bytes / unit, color="tab:red", linestyle="--", linewidth=1,
-               label=f"leanest plan {format_bytes(result.minimum_peak_bytes)}")
-    ax.axvline(result.no_checkpoint_peak_bytes / unit, color="tab:gray", linestyle=":", linewidth=1,
-               label=f"no checkpointing {format_bytes(result.no_checkpoint_peak_bytes)}")
+        ax.plot(
+            [p.measured_peak_bytes / unit for p in measured],
+            [100 * (p.measured_overhead or 0.0) for p in measured],
+            marker="x",
+            linestyle="none",
+            color="black",
+            label="measured (peak, step-time increase)",
+        )
+    ax.axvline(
+        result.minimum_peak_bytes / unit,
+        color="tab:red",
+        linestyle="--",
+        linewidth=1,
+        label=f"leanest plan {format_bytes(result.minimum_peak_bytes)}",
+    )
+    ax.axvline(
+        result.no_checkpoint_peak_bytes / unit,
+        color="tab:gray",
+        linestyle=":",
+        linewidth=1,
+        label=f"no checkpointing {format_bytes(result.no_checkpoint_peak_bytes)}",
+    )
     ax.set_xlabel(f"peak memory ({unit_name}, scope={result.scope})")
     ax.set_ylabel("recompute overhead (% of a step)")
     ax.set_title(f"{result.model}: recompute vs peak memory across budgets")

@@ -37,12 +37,17 @@ class PatchAttentionBlock(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * dim, dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.1), nn.Linear(4 * dim, dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        q, k, v = (t.reshape(batch, tokens, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            t.reshape(batch, tokens, self.heads, dim // self.heads).transpose(1, 2)
+            for t in (q, k, v)
+        )
         weights = torch.softmax(q @ k.transpose(-2, -1) / (dim // self.heads) ** 0.5, dim=-1)
         mixed = (weights @ v).transpose(1, 2).reshape(batch, tokens, dim)
         x = x + self.proj(mixed)
