@@ -8,8 +8,10 @@ names. ``Plan.from_json(plan.to_json()) == plan`` holds exactly (floats are writ
 
 Compatibility rule: a plan is readable when its ``schema_version`` equals
 :data:`SCHEMA_VERSION`; a different schema raises :class:`PlanMismatchError` saying both
-versions. The torch version is informational: the graph fingerprint decides whether a plan
-fits a model.
+versions. Within a version, fields are only ever added as optional ones that default to
+``None`` when absent (``timeline`` came this way), so older files stay readable; a renamed
+or re-defined field bumps the version. The torch version is informational: the graph
+fingerprint decides whether a plan fits a model.
 """
 
 from __future__ import annotations
@@ -157,7 +159,11 @@ class Plan:
             _check_semantics(plan)
             return plan
         except (KeyError, TypeError, ValueError) as error:
-            raise PlanFormatError(f"plan JSON is malformed: {error}") from error
+            hint = ""
+            if "unknown field" in str(error) and data.get("autockpt_version") != _library_version():
+                hint = (f"; the plan was written by autockpt {data.get('autockpt_version', '?')} "
+                        f"and may hold fields added after {_library_version()}: upgrade to read it")
+            raise PlanFormatError(f"plan JSON is malformed: {error}{hint}") from error
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w", encoding="utf-8") as handle:

@@ -219,3 +219,22 @@ def test_progress_is_off_for_quiet_json_and_pipes(monkeypatch):
     with Progress(False) as progress:  # disabled: every call is a no-op
         progress.stage("solving", 3)
         progress.advance(1)
+
+
+def test_a_field_from_a_newer_writer_names_the_writer(plan):
+    data = json.loads(plan.to_json())
+    data["added_later"] = 1
+    data["autockpt_version"] = "9.0.0"
+    with pytest.raises(
+        PlanFormatError, match=r"unknown field.*added_later.*autockpt 9\.0\.0.*upgrade"
+    ):
+        Plan.from_dict(data)
+
+
+def test_schema_lists_exactly_the_timeline_fields():
+    from autockpt.plan import MemoryTimeline
+
+    timeline = SCHEMA["properties"]["timeline"]["oneOf"][1]
+    assert set(timeline["properties"]) == {f.name for f in dataclasses.fields(MemoryTimeline)}
+    assert set(timeline["required"]) == set(timeline["properties"])
+    assert "timeline" not in SCHEMA["required"]
