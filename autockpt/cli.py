@@ -579,12 +579,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _frontier(args: argparse.Namespace) -> int:
     from autockpt.api import Planner
-    from autockpt.report import frontier, frontier_figure, save_figure
+    from autockpt.report import frontier, frontier_figure, require_matplotlib, save_figure
 
     if not args.no_plot:  # fail before the expensive part when matplotlib is missing
-        import autockpt.report as report
-
-        report._figure(1, 1)
+        require_matplotlib()
     model, inputs = load_spec(args.spec)
     to_stdout = args.json == "-"
     progress_wanted = not args.quiet and not to_stdout and sys.stderr.isatty()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autockpt.errors import AutockptError, format_bytes
+from autockpt.errors import AutockptError, InfeasibleBudgetError, format_bytes
 from autockpt.plan import Plan
 
 if TYPE_CHECKING:
@@ -163,13 +163,21 @@ def print_plan(plan: Plan, console: Any = None) -> None:
 # -- figures -------------------------------------------------------------------------------
 
 
-def _figure(width: float, height: float) -> Figure:
+def require_matplotlib() -> None:
+    """Raise :class:`MissingDependencyError` now, before expensive work, if plots cannot be
+    drawn."""
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401
     except ImportError as error:
         raise MissingDependencyError(
             "plots need matplotlib: pip install matplotlib (or autockpt[bench])"
         ) from error
+
+
+def _figure(width: float, height: float) -> Figure:
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
     return Figure(figsize=(width, height), layout="constrained")
 
 
@@ -312,7 +320,10 @@ def frontier(
     for k in range(budgets):
         report("solving budgets", k, budgets)
         budget = low + (high - low) * k // (budgets - 1)
-        solution = planner.solve(max(budget, low), solver=solver)
+        try:
+            solution = planner.solve(max(budget, low), solver=solver)
+        except InfeasibleBudgetError:  # a heuristic (sqrt, greedy) may miss a low budget
+            continue
         segments = tuple(tuple(seg) for seg in solution.segments)
         if segments not in found:
             found[segments] = _point(planner, "optimal", segments, step, budget)

@@ -238,3 +238,11 @@ def test_schema_lists_exactly_the_timeline_fields():
     assert set(timeline["properties"]) == {f.name for f in dataclasses.fields(MemoryTimeline)}
     assert set(timeline["required"]) == set(timeline["properties"])
     assert "timeline" not in SCHEMA["required"]
+
+
+def test_frontier_with_a_heuristic_skips_budgets_it_cannot_meet(planner):
+    result = frontier(planner, budgets=4, solver="greedy")
+    assert result.points and result.solver == "greedy"
+    assert result.points[-1].predicted_peak_bytes <= planner.no_checkpoint_peak_bytes
+    for point in result.points:
+        assert point.predicted_peak_bytes <= point.budget_bytes
