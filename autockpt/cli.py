@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     from autockpt.errors import (
+        AutockptError,
         InfeasibleBudgetError,
         PlanFormatError,
         PlanMismatchError,
@@ -97,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, EXIT_TRACE, error)
     except FileNotFoundError as error:
         return _fail(args, EXIT_PLAN, error)
+    except AutockptError as error:  # any other refusal concerns the model SPEC gave
+        return _fail(args, EXIT_SPEC, error)
 
 
 def _fail(args: argparse.Namespace, code: int, error: BaseException) -> int:
@@ -380,6 +383,13 @@ def load_spec(spec: str) -> tuple[Any, Any]:
         raise SpecError(f"{spec} raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) == 2):
         raise SpecError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    from torch import nn
+
+    if not isinstance(result[0], nn.Module):
+        raise SpecError(
+            f"{spec} must return (model, example_inputs) with a torch.nn.Module first, got "
+            f"{type(result[0]).__name__}"
+        )
     return result
 
 

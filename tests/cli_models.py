@@ -76,3 +76,8 @@ class TinyPatchTransformer(nn.Module):
 def tiny_patch_transformer() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return TinyPatchTransformer(), torch.randn(16, 3, 32, 32)
+
+
+def not_a_module() -> tuple[object, torch.Tensor]:
+    """A factory that returns something other than a module first (a user mistake)."""
+    return object(), torch.ones(2)

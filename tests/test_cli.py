@@ -304,3 +304,8 @@ def test_bad_argument_through_the_console_script_is_one_usage_error():
     result = run("plan", "autockpt.zoo:gpt", "--budget-gb", "-1")
     assert result.returncode == cli.EXIT_USAGE and "Traceback" not in result.stderr
     assert "expected a positive number" in result.stderr
+
+
+def test_factory_returning_no_module_exits_5():
+    result = run("plan", "tests.cli_models:not_a_module", "--budget-gb", "1", cwd=ROOT)
+    assert_user_error(result, cli.EXIT_SPEC, "torch.nn.Module first")
