@@ -40,7 +40,8 @@ EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_BUDGET, EXIT_PLAN, EXIT_SPEC, EXIT_TRACE 
 EXIT_OUTPUT, EXIT_DEPENDENCY = 7, 8
 EXIT_INTERRUPTED = 130
 PROGRESS_DELAY_S = 2.0
-"""Progress appears only for work that takes longer than this: short commands stay quiet."""
+"""Progress appears only for work that takes longer than this: short commands stay quiet.
+The environment variable ``AUTOCKPT_PROGRESS_DELAY_S`` overrides it (0: at once)."""
 
 SOLVERS = ("auto", "dp", "ilp", "sqrt", "greedy")  # solvers.METHODS, without importing it here
 
@@ -258,8 +259,10 @@ class Progress:
     ``--json`` or when stderr is not a terminal.
     """
 
-    def __init__(self, enabled: bool, delay_s: float = PROGRESS_DELAY_S) -> None:
+    def __init__(self, enabled: bool, delay_s: float | None = None) -> None:
         self.enabled = enabled
+        if delay_s is None:
+            delay_s = float(os.environ.get("AUTOCKPT_PROGRESS_DELAY_S", PROGRESS_DELAY_S))
         self.delay_s = delay_s
         self._lock = threading.Lock()
         self._started = False
