@@ -27,6 +27,7 @@ stderr is a terminal and neither flag is given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -198,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_show)
 
     verify = sub.add_parser("verify", help="apply a plan to SPEC and check it against eager")
-    verify.add_argument("spec")
+    verify.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
     verify.add_argument("plan")
     _common(verify)
     verify.set_defaults(run=_verify)
@@ -206,7 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     frontier = sub.add_parser(
         "frontier", help="recompute overhead vs peak memory across budgets (one profile)"
     )
-    frontier.add_argument("spec")
+    frontier.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
     frontier.add_argument(
         "-o", "--output", default="frontier.png", help="plot file (default frontier.png)"
     )
@@ -519,7 +520,16 @@ def _bench(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(root))
     module = importlib.import_module(BENCHMARKS[args.which][0])
     out = Path(args.out or f"out/{args.which}")
-    module.run(args.quick, out)
+    # A benchmark reports as it goes on stdout; --json keeps stdout for the one JSON object
+    # (the running report moves to stderr) and --quiet drops it.
+    if args.quiet:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            module.run(args.quick, out)
+    elif args.json:
+        with contextlib.redirect_stdout(sys.stderr):
+            module.run(args.quick, out)
+    else:
+        module.run(args.quick, out)
     if args.json:
         print(json.dumps({"benchmark": args.which, "out": str(out)}))
     else:

@@ -316,3 +316,14 @@ def test_bad_argument_through_the_console_script_is_one_usage_error():
 def test_factory_returning_no_module_exits_5():
     result = run("plan", "tests.cli_models:not_a_module", "--budget-gb", "1", cwd=ROOT)
     assert_user_error(result, cli.EXIT_SPEC, "torch.nn.Module first")
+
+
+@pytest.mark.slow
+def test_bench_solvers_quick_writes_its_report(tmp_path):
+    result = run(
+        "bench", "solvers", "--quick", "--out", str(tmp_path / "bench"), "--json", cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # the running report went to stderr
+    assert report == {"benchmark": "solvers", "out": str(tmp_path / "bench")}
+    assert any((tmp_path / "bench").glob("*.json")) and any((tmp_path / "bench").glob("*.png"))
