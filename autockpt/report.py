@@ -92,7 +92,7 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     peaks.add_row(
         "peak with the plan",
         format_bytes(plan.predicted_peak_bytes),
-        measured(plan.measured_peak_bytes, format_bytes),
+        measured(plan.measured_peak_bytes, lambda value: _scoped(plan, value)),
     )
     peaks.add_row("budget", format_bytes(plan.budget_bytes), "")
     peaks.add_row("peak without checkpointing", format_bytes(plan.no_checkpoint_peak_bytes), "")
@@ -134,6 +134,17 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
             ", ".join(seg.restore_buffers) or "-",
         )
     return [overview, memory, peaks, segments]
+
+
+def _scoped(plan: Plan, measured_total: int) -> str:
+    """A measured peak as the plan's budget counts it. ``measured_peak_bytes`` is the whole
+    step's peak; under scope ``activations`` the budget covers only what lies above
+    parameters, buffers, inputs and gradients, so that part is shown (with the total)."""
+    if plan.scope != "activations":
+        return format_bytes(measured_total)
+    m = plan.memory
+    above = measured_total - m.parameters - m.buffers - m.inputs - m.gradients
+    return f"{format_bytes(above)} ({format_bytes(measured_total)} in all)"
 
 
 def render_plan(plan: Plan, width: int = 110) -> str:

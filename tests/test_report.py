@@ -246,3 +246,16 @@ def test_frontier_with_a_heuristic_skips_budgets_it_cannot_meet(planner):
     assert result.points[-1].predicted_peak_bytes <= planner.no_checkpoint_peak_bytes
     for point in result.points:
         assert point.predicted_peak_bytes <= point.budget_bytes
+
+
+def test_measured_peak_is_shown_as_the_scope_counts_it(plan):
+    from autockpt.errors import format_bytes
+
+    m = plan.memory
+    static = m.parameters + m.buffers + m.inputs + m.gradients
+    scoped = dataclasses.replace(plan, scope="activations", measured_peak_bytes=static + 3 * 2**20)
+    assert f"{format_bytes(3 * 2**20)} ({format_bytes(static + 3 * 2**20)} in all)" in render_plan(
+        scoped
+    )
+    total = dataclasses.replace(plan, measured_peak_bytes=static + 3 * 2**20)
+    assert "in all" not in render_plan(total)
