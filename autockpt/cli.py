@@ -281,25 +281,23 @@ class Progress:
         if not self.enabled:
             return self
         from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            SpinnerColumn,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
         from rich.progress import Progress as Bar
 
         self._bar = Bar(
             SpinnerColumn(),
             TextColumn("{task.description}"),
             BarColumn(),
-            MofNCompleteColumn(),
+            # "3/12" for counted work (a frontier's budgets); nothing for open-ended stages
+            TextColumn("{task.fields[count]}"),
             TimeElapsedColumn(),
             console=Console(stderr=True),
             transient=True,
+            # stdout stays stdout: results may be piped while the bar shows on the terminal
+            redirect_stdout=False,
+            redirect_stderr=False,
         )
-        self._task = self._bar.add_task("starting", total=None)
+        self._task = self._bar.add_task("starting", total=None, count="")
         self._timer = threading.Timer(self.delay_s, self._start)
         self._timer.daemon = True
         self._timer.start()
@@ -313,11 +311,16 @@ class Progress:
 
     def stage(self, description: str, total: int | None = None) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, description=description, total=total, completed=0)
+            count = "" if total is None else f"0/{total}"
+            self._bar.update(
+                self._task, description=description, total=total, completed=0, count=count
+            )
 
     def advance(self, done: int) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, completed=done)
+            total = self._bar.tasks[0].total
+            count = "" if total is None else f"{done}/{int(total)}"
+            self._bar.update(self._task, completed=done, count=count)
 
     def __exit__(
         self,
@@ -409,26 +412,29 @@ def _demo(args: argparse.Namespace) -> int:
         f"seed workload: {args.blocks} blocks of Linear({args.width}->{2 * args.width})->ReLU->"
         f"Linear({2 * args.width}->{args.width}), batch {args.batch}"
     )
+    # Two progress phases, so that the breakdown prints between them (never under a live bar).
     with Progress.for_args(args) as progress:
         planner = Planner(model, x, progress=progress.stage)
-        prof = planner.profile
-        say("memory breakdown:")
-        for name, value in planner.breakdown.items():
-            say(f"  {name:<36} {format_bytes(value):>12}")
+    prof = planner.profile
+    say("memory breakdown:")
+    for name, value in planner.breakdown.items():
+        say(f"  {name:<36} {format_bytes(value):>12}")
+    say(
+        f"  {'predicted peak without checkpointing':<36} {format_bytes(planner.no_checkpoint_peak_bytes):>12}"
+    )
+    budget_gb = args.budget_gb
+    if budget_gb is None:
+        budget_gb = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2 / GIB
+    static = prof.param_bytes + prof.param_grad_bytes
+    activations = prof.saved_bytes()
+    if activations < 0.05 * static:
         say(
-            f"  {'predicted peak without checkpointing':<36} {format_bytes(planner.no_checkpoint_peak_bytes):>12}"
+            f"note: parameters + gradients are {format_bytes(static)} and saved activations only "
+            f"{format_bytes(activations)}: checkpointing can save at most "
+            f"{100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of the peak here."
         )
-        budget_gb = args.budget_gb
-        if budget_gb is None:
-            budget_gb = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2 / GIB
-        static = prof.param_bytes + prof.param_grad_bytes
-        activations = prof.saved_bytes()
-        if activations < 0.05 * static:
-            say(
-                f"note: parameters + gradients are {format_bytes(static)} and saved activations only "
-                f"{format_bytes(activations)}: checkpointing can save at most "
-                f"{100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of the peak here."
-            )
+    with Progress.for_args(args) as progress:
+        planner.progress = progress.stage
         fast = planner.optimize(budget_gb=budget_gb, solver=args.solver)
         plan = fast.plan
         progress.stage("measuring")
