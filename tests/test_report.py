@@ -259,3 +259,18 @@ def test_measured_peak_is_shown_as_the_scope_counts_it(plan):
     )
     total = dataclasses.replace(plan, measured_peak_bytes=static + 3 * 2**20)
     assert "in all" not in render_plan(total)
+
+
+def test_user_guide_factories_build(monkeypatch):
+    """docs/user-guide.md runs its commands on docs/examples/my_models.py: keep it loadable."""
+    from torch import nn
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "docs" / "examples"))
+    import my_models
+
+    model, x = my_models.block_stack()
+    assert isinstance(model, nn.Module) and len(model.blocks) == 32 and tuple(x.shape) == (512, 128)
+    pytest.importorskip("transformers")
+    gpt2, inputs = my_models.gpt2()
+    assert isinstance(gpt2, nn.Module) and set(inputs) == {"input_ids", "labels"}
+    assert gpt2(**inputs).loss.ndim == 0

@@ -44,8 +44,14 @@ def gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=4, n_embd=128, n_head=4, n_positions=128, vocab_size=1000,
-        bos_token_id=0, eos_token_id=0, use_cache=False,
+        n_layer=4,
+        n_embd=128,
+        n_head=4,
+        n_positions=128,
+        vocab_size=1000,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
     )
     model = GPT2LMHeadModel(config).train()
     input_ids = torch.randint(0, config.vocab_size, (8, 128))
