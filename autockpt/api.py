@@ -13,7 +13,7 @@ when both the prediction and the measurement fit.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from autockpt.distributed import (
 )
 from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.measure import Measurement, measure
-from autockpt.plan import MemoryBreakdown, Plan, RankMemory, Segment
+from autockpt.plan import MemoryBreakdown, MemoryTimeline, Plan, RankMemory, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
 from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
 from autockpt.rewrite import SegmentSpec, rewrite
@@ -37,7 +37,10 @@ from autockpt.simulate import record_trace
 from autockpt.simulate import simulate as simulate_plan
 from autockpt.solve import minimum_peak, no_checkpoint_peak
 from autockpt.trace import Capture, Inputs, capture, given_input_names
-from solvers import METHODS, Solution, simulate, solve
+from solvers import METHODS, Simulation, Solution, simulate, solve
+
+ProgressFn = Callable[[str], None]
+"""Called with a short description (``"profiling"``) as each planning stage begins."""
 
 SCOPES = ("total", "activations")
 _VERIFY_ROUNDS = 4
@@ -109,8 +112,10 @@ class Planner:
         world_size: int = 1,
         sharding: str | None = None,
         fsdp_units: Iterable[str] | None = None,
+        progress: ProgressFn | None = None,
     ) -> None:
         _check_model(model)
+        self.progress: ProgressFn = progress or (lambda stage: None)
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.sharding: Sharding = resolve_sharding(model, world_size, sharding, fsdp_units)
@@ -122,8 +127,10 @@ class Planner:
         # checkpoint segments hold whole units (autockpt.distributed explains why).
         given_leaves = tuple(leaf_modules)
         leaves = given_leaves + tuple(u for u in self.sharding.units if u not in given_leaves)
+        self.progress("capturing the graph")
         self.capture = capture(model, self.inputs, leaf_modules=leaves)
         check_units_called(self.capture, self.sharding.units)
+        self.progress("profiling")
         self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
         # On the meta device tensors have shapes and no data: plan from the graph alone
         # (FLOP-estimated times, storage-level memory), nothing to measure or verify.
@@ -143,7 +150,10 @@ class Planner:
             )
         self.chain = chain
         # The plan simulator: one eager step's allocations, replayed under each plan.
+        self.progress("recording one step for the plan simulator")
         self.trace = record_trace(model, self.capture, self.inputs, loss_fn=loss_fn)
+        if calibrate:
+            self.progress("measuring the unmodified model")
         self.eager = measure(model, self.inputs, loss_fn=loss_fn, repeat=3) if calibrate else None
         self.calibration = 0
         if self.eager is not None:
@@ -249,6 +259,7 @@ class Planner:
         underestimate = 0  # largest measured-minus-predicted peak seen so far
         checked: Measurement | None = None
         for _ in range(_VERIFY_ROUNDS):
+            self.progress("solving")
             try:
                 solution = self._search(budget_bytes - underestimate, solver, time_limit_s)
             except InfeasibleBudgetError as error:
@@ -262,6 +273,7 @@ class Planner:
             result = rewrite(self.model, self.capture, specs)
             if not verify:
                 break
+            self.progress("measuring the plan")
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
             used = self._used(checked) + self._rank_shift(solution.segments)
             if used <= budget_bytes:
@@ -272,6 +284,37 @@ class Planner:
             raise self._measured_infeasible(budget_bytes, underestimate)
         result.plan = _make_plan(self, solution, specs, budget_bytes, checked)
         return result
+
+    # -- several budgets, one profile (frontiers, reports) ----------------------------------
+
+    @property
+    def step_seconds(self) -> float:
+        """Step time of the unmodified model: measured when calibrated, else profiled."""
+        return self.eager.step_seconds if self.eager is not None else self.profile.step_seconds
+
+    def solve(self, budget_bytes: int, *, solver: str = "dp", time_limit_s: float = 30.0) -> Solution:
+        """The least-recompute plan whose simulated peak fits ``budget_bytes``, without
+        rewriting or measuring (cheap: the profile and the recorded step are reused).
+        Raises :class:`InfeasibleBudgetError` below the minimum."""
+        return self._search(int(budget_bytes), solver, time_limit_s)
+
+    def simulate(self, segments: Sequence[tuple[int, int]]) -> Simulation:
+        """The prediction for checkpointing the given stage ranges: recompute time from the
+        chain model, peak from the plan simulator (:meth:`predict`)."""
+        return dataclasses.replace(
+            simulate(self.chain.problem, segments), peak_bytes=self.predict(segments)
+        )
+
+    def rewrite(self, segments: Sequence[tuple[int, int]]) -> nn.Module:
+        """The model rewritten to checkpoint the given stage ranges (no solving, no check)."""
+        given = Solution(segments=[tuple(seg) for seg in segments], recompute_seconds=0.0,
+                         peak_bytes=0, status="feasible", method="given", solve_seconds=0.0, gap=None)
+        return rewrite(self.model, self.capture, _segment_specs(self.chain, self.profile, self.capture, given))
+
+    def budgeted_bytes(self, measurement: Measurement) -> int:
+        """The part of a measured peak that the budget covers (all of it for scope
+        ``total``; what lies above parameters, buffers, inputs and gradients otherwise)."""
+        return self._used(measurement)
 
     def _measured_infeasible(self, budget_bytes: int, underestimate: int) -> InfeasibleBudgetError:
         return InfeasibleBudgetError(
@@ -504,4 +547,19 @@ def _make_plan(
         sharding=planner.sharding.mode,
         fsdp_units=planner.sharding.units,
         rank_memory=planner.rank_memory,
+        timeline=_timeline(problem, simulation),
+    )
+
+
+def _timeline(problem: Any, simulation: Simulation) -> MemoryTimeline:
+    """The compact per-event record ``autockpt show --plot`` draws (see MemoryTimeline)."""
+    letter = {"forward": "f", "recompute": "r", "backward": "b"}
+    without = simulate(problem, []).timeline
+    return MemoryTimeline(
+        phases="".join(letter[phase] for phase, _, _ in simulation.timeline),
+        stages=tuple(stage for _, stage, _ in simulation.timeline),
+        plan_bytes=tuple(nbytes for _, _, nbytes in simulation.timeline),
+        no_checkpoint_bytes=tuple(nbytes for _, _, nbytes in without),
+        stage_forward_seconds=tuple(round(t, 9) for t in problem.forward_seconds),
+        stage_backward_seconds=tuple(round(t, 9) for t in problem.backward_seconds),
     )

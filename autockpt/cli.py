@@ -1,4 +1,4 @@
-"""The ``autockpt`` command line: ``demo``, ``plan``, ``show``, ``verify``, ``bench``.
+"""The ``autockpt`` command line: ``demo``, ``plan``, ``show``, ``verify``, ``frontier``, ``bench``.
 
 A model is named ``package.module:factory`` (importable from the current directory); the
 factory returns ``(model, example_inputs)``. Built-in factories live in ``autockpt.zoo``
@@ -14,24 +14,52 @@ code  meaning
 4     plan file corrupt, or made for another model/version
 5     the model SPEC cannot be imported or called
 6     the model cannot be captured as a graph
+7     an output file cannot be written
+8     an optional dependency (matplotlib, for plots) is missing
+130   interrupted (Ctrl-C)
 ====  =====================================================
+
+Every command takes ``--json`` (one JSON object on stdout, for scripts) and ``--quiet``.
+Work that runs longer than :data:`PROGRESS_DELAY_S` shows a progress line on stderr when
+stderr is a terminal and neither flag is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any
 
 EXIT_OK, EXIT_VERIFY, EXIT_USAGE, EXIT_BUDGET, EXIT_PLAN, EXIT_SPEC, EXIT_TRACE = range(7)
+EXIT_OUTPUT, EXIT_DEPENDENCY = 7, 8
+EXIT_INTERRUPTED = 130
+PROGRESS_DELAY_S = 2.0
+"""Progress appears only for work that takes longer than this: short commands stay quiet.
+The environment variable ``AUTOCKPT_PROGRESS_DELAY_S`` overrides it (0: at once)."""
+
+SOLVERS = ("auto", "dp", "ilp", "sqrt", "greedy")  # solvers.METHODS, without importing it here
+
+# ``autockpt bench NAME`` runs ``run(quick, out)`` of the module named here (in the
+# repository's benchmarks/ folder): a new benchmark is one more entry.
+BENCHMARKS = {
+    "solvers": ("benchmarks.solvers_bench", "solve time and quality on synthetic and zoo chains"),
+    "budgets": ("benchmarks.budgets", "measured peak and step time across budgets on the zoo"),
+}
 
 
 class SpecError(Exception):
     """The model SPEC could not be imported or called."""
+
+
+class OutputError(Exception):
+    """An output file (plan, plot, report) could not be written."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,19 +73,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     from autockpt.errors import (
+        AutockptError,
         InfeasibleBudgetError,
         PlanFormatError,
         PlanMismatchError,
         ShardingError,
         TraceError,
     )
+    from autockpt.report import MissingDependencyError, ReportError
 
     try:
         return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("autockpt: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except InfeasibleBudgetError as error:
         return _fail(args, EXIT_BUDGET, error)
-    except (PlanFormatError, PlanMismatchError) as error:
+    except (PlanFormatError, PlanMismatchError, ReportError) as error:
         return _fail(args, EXIT_PLAN, error)
+    except OutputError as error:
+        return _fail(args, EXIT_OUTPUT, error)
+    except MissingDependencyError as error:
+        return _fail(args, EXIT_DEPENDENCY, error)
     except SpecError as error:
         return _fail(args, EXIT_SPEC, error)
     except TraceError as error:
@@ -66,20 +103,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(args, EXIT_PLAN, error)
     except ShardingError as error:
         return _fail(args, EXIT_USAGE, error)
+    except AutockptError as error:  # any other refusal concerns the model SPEC gave
+        return _fail(args, EXIT_SPEC, error)
 
 
 def _fail(args: argparse.Namespace, code: int, error: BaseException) -> int:
+    message = " ".join(str(error).split())  # one line, whatever the error text holds
     if getattr(args, "json", False):
-        print(json.dumps({"error": type(error).__name__, "message": str(error), "exit_code": code}))
+        print(json.dumps({"error": type(error).__name__, "message": message, "exit_code": code}))
     else:
-        print(f"autockpt: error: {error}", file=sys.stderr)
+        print(f"autockpt: error: {message}", file=sys.stderr)
     return code
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _at_least_two(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2, got {value}")
+    return value
+
+
+def _common(
+    command: argparse.ArgumentParser, json_help: str = "print one JSON object on stdout"
+) -> None:
+    command.add_argument("--json", action="store_true", help=json_help)
+    command.add_argument(
+        "--quiet", action="store_true", help="print nothing but errors; no progress"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autockpt",
         description="Place activation checkpoints so that training fits a memory budget.",
+        epilog="SPEC is package.module:factory, importable from the current directory; the "
+        "factory returns (model, example_inputs). Exit codes: 0 ok, 1 a check failed, "
+        "2 usage, 3 budget too small, 4 bad plan file, 5 bad SPEC, 6 model not "
+        "capturable, 7 output not writable, 8 matplotlib missing.",
     )
     sub = parser.add_subparsers(metavar="COMMAND")
 
@@ -87,18 +160,29 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--blocks", type=int, default=32)
     demo.add_argument("--width", type=int, default=128)
     demo.add_argument("--batch", type=int, default=512)
-    demo.add_argument("--budget-gb", type=float, default=None,
-                      help="budget in GiB (default: halfway between the leanest plan and none)")
-    demo.add_argument("--solver", default="auto")
-    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument(
+        "--budget-gb",
+        type=_positive_float,
+        default=None,
+        help="budget in GiB (default: halfway between the leanest plan and none)",
+    )
+    demo.add_argument("--solver", choices=SOLVERS, default="auto")
+    _common(demo)
     demo.set_defaults(run=_demo)
 
     plan = sub.add_parser("plan", help="make a plan for SPEC under a budget")
     plan.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
-    plan.add_argument("--budget-gb", type=float, required=True)
-    plan.add_argument("--solver", default="auto")
+    plan.add_argument(
+        "--budget-gb",
+        type=_positive_float,
+        required=True,
+        help="peak memory budget of one training step, GiB (2**30 bytes)",
+    )
+    plan.add_argument("--solver", choices=SOLVERS, default="auto")
     plan.add_argument("--scope", choices=("total", "activations"), default="total")
-    plan.add_argument("--time-limit", type=float, default=30.0)
+    plan.add_argument(
+        "--time-limit", type=_positive_float, default=30.0, help="solver time limit, seconds"
+    )
     plan.add_argument("-o", "--output", default="plan.json")
     plan.add_argument("--world-size", type=int, default=1,
                       help="ranks; the budget and the example inputs are per rank")
@@ -106,32 +190,191 @@ def _parser() -> argparse.ArgumentParser:
                       help="distributed engine whose per-rank memory the plan counts")
     plan.add_argument("--fsdp-units", default=None,
                       help="comma-separated modules to fully_shard (default: repeated blocks)")
-    plan.add_argument("--json", action="store_true")
-    plan.add_argument("--quiet", action="store_true")
     plan.add_argument("--meta", action="store_true",
                       help="build the model on the meta device: plan without allocating "
                            "(FLOP-estimated times, no measurement)")
+    _common(plan, "print the plan JSON on stdout")
     plan.set_defaults(run=_plan)
 
-    show = sub.add_parser("show", help="print a saved plan")
+    show = sub.add_parser(
+        "show", help="print a saved plan as tables; --plot draws its memory timeline"
+    )
     show.add_argument("plan")
-    show.add_argument("--json", action="store_true")
+    show.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="write the predicted memory over one step (no checkpoint vs the plan, "
+        "with the budget) to this image file",
+    )
+    _common(show, "print the plan JSON on stdout")
     show.set_defaults(run=_show)
 
-    bench = sub.add_parser("bench", help="run a benchmark: solvers | budgets")
-    bench.add_argument("which", choices=("solvers", "budgets"),
-                       help="solvers: solve time and quality on synthetic and zoo chains; "
-                            "budgets: measured peak and step time across budgets on the zoo")
+    verify = sub.add_parser("verify", help="apply a plan to SPEC and check it against eager")
+    verify.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
+    verify.add_argument("plan")
+    _common(verify)
+    verify.set_defaults(run=_verify)
+
+    frontier = sub.add_parser(
+        "frontier", help="recompute overhead vs peak memory across budgets (one profile)"
+    )
+    frontier.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
+    frontier.add_argument(
+        "-o", "--output", default="frontier.png", help="plot file (default frontier.png)"
+    )
+    frontier.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    frontier.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="OUT.json",
+        help="write the frontier as JSON to OUT.json (stdout when no file is named)",
+    )
+    frontier.add_argument(
+        "--quiet", action="store_true", help="print nothing but errors; no progress"
+    )
+    frontier.add_argument(
+        "--budgets",
+        type=_at_least_two,
+        default=12,
+        help="budgets to solve, evenly spaced from the leanest plan to none (default 12)",
+    )
+    frontier.add_argument("--solver", choices=SOLVERS, default="dp")
+    frontier.add_argument("--scope", choices=("total", "activations"), default="total")
+    frontier.add_argument(
+        "--measure",
+        action="store_true",
+        help="also rewrite and measure every point (one real step each; slower)",
+    )
+    frontier.set_defaults(run=_frontier)
+
+    bench = sub.add_parser("bench", help="run a benchmark: " + " | ".join(BENCHMARKS))
+    bench.add_argument(
+        "which",
+        choices=tuple(BENCHMARKS),
+        help="; ".join(f"{name}: {text}" for name, (_, text) in BENCHMARKS.items()),
+    )
     bench.add_argument("--quick", action="store_true", help="a short run")
     bench.add_argument("--out", default=None, help="output folder (default out/<which>)")
+    _common(bench, 'print {"out": folder} on stdout')
     bench.set_defaults(run=_bench)
-
-    verify = sub.add_parser("verify", help="apply a plan to SPEC and check it against eager")
-    verify.add_argument("spec")
-    verify.add_argument("plan")
-    verify.add_argument("--json", action="store_true")
-    verify.set_defaults(run=_verify)
     return parser
+
+
+class Progress:
+    """A transient progress line on stderr that appears only once the work has run for
+    :data:`PROGRESS_DELAY_S` seconds, so quick commands never flash one.
+
+    ``stage(text)`` names what runs now (an open-ended spinner); ``stage(text, total)``
+    with ``advance(done)`` shows a bar. Disabled (every call a no-op) under ``--quiet``,
+    ``--json`` or when stderr is not a terminal.
+    """
+
+    def __init__(self, enabled: bool, delay_s: float | None = None) -> None:
+        self.enabled = enabled
+        if delay_s is None:
+            delay_s = float(os.environ.get("AUTOCKPT_PROGRESS_DELAY_S", PROGRESS_DELAY_S))
+        self.delay_s = delay_s
+        self._lock = threading.Lock()
+        self._started = False
+        self._closed = False
+        self._bar: Any = None
+        self._task: Any = None
+        self._timer: threading.Timer | None = None
+
+    @classmethod
+    def for_args(cls, args: argparse.Namespace) -> Progress:
+        wanted = not getattr(args, "quiet", False) and getattr(args, "json", None) in (None, False)
+        return cls(wanted and sys.stderr.isatty())
+
+    def __enter__(self) -> Progress:
+        if not self.enabled:
+            return self
+        from rich.console import Console
+        from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
+
+        self._bar = Bar(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            # "3/12" for counted work (a frontier's budgets); nothing for open-ended stages
+            TextColumn("{task.fields[count]}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+            # stdout stays stdout: results may be piped while the bar shows on the terminal
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+        self._task = self._bar.add_task("starting", total=None, count="")
+        self._timer = threading.Timer(self.delay_s, self._start)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def _start(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._bar.start()
+                self._started = True
+
+    def stage(self, description: str, total: int | None = None) -> None:
+        if self._bar is not None:
+            count = "" if total is None else f"0/{total}"
+            self._bar.update(
+                self._task, description=description, total=total, completed=0, count=count
+            )
+
+    def advance(self, done: int) -> None:
+        if self._bar is not None:
+            total = self._bar.tasks[0].total
+            count = "" if total is None else f"{done}/{int(total)}"
+            self._bar.update(self._task, completed=done, count=count)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        with self._lock:
+            self._closed = True
+            if self._started:
+                self._bar.stop()
+
+
+def _say(args: argparse.Namespace) -> Callable[..., None]:
+    """``print`` for human output, or nothing under ``--json``/``--quiet``."""
+    if getattr(args, "quiet", False) or getattr(args, "json", None) not in (None, False):
+        return lambda *parts, **kw: None
+    return print
+
+
+def _write(path: str, write: Callable[[str], None], what: str) -> None:
+    try:
+        write(path)
+    except OSError as error:
+        raise OutputError(
+            f"cannot write the {what} to {path}: {error.strerror or error}"
+        ) from error
+
+
+def _load_plan(path: str) -> Any:
+    from autockpt.plan import Plan
+
+    try:
+        return Plan.load(path)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"plan file {path} not found") from error
+    except OSError as error:
+        from autockpt.errors import PlanFormatError
+
+        raise PlanFormatError(f"cannot read plan file {path}: {error.strerror or error}") from error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +390,9 @@ def load_spec(spec: str) -> tuple[Any, Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - any import failure is the user's SPEC
-        raise SpecError(f"cannot import {module_name!r}: {type(error).__name__}: {error}") from error
+        raise SpecError(
+            f"cannot import {module_name!r}: {type(error).__name__}: {error}"
+        ) from error
     factory: Callable[[], Any] | None = getattr(module, attr, None)
     if not callable(factory):
         raise SpecError(f"{module_name!r} has no callable {attr!r}")
@@ -157,6 +402,13 @@ def load_spec(spec: str) -> tuple[Any, Any]:
         raise SpecError(f"{spec} raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) == 2):
         raise SpecError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    from torch import nn
+
+    if not isinstance(result[0], nn.Module):
+        raise SpecError(
+            f"{spec} must return (model, example_inputs) with a torch.nn.Module first, got "
+            f"{type(result[0]).__name__}"
+        )
     return result
 
 
@@ -167,51 +419,75 @@ def _demo(args: argparse.Namespace) -> int:
     from autockpt.zoo import block_stack
 
     model, x = block_stack(blocks=args.blocks, width=args.width, batch=args.batch)
-    say = (lambda *a: None) if args.json else print
-    say(f"seed workload: {args.blocks} blocks of Linear({args.width}->{2 * args.width})->ReLU->"
-        f"Linear({2 * args.width}->{args.width}), batch {args.batch}")
-    planner = Planner(model, x)
+    say = _say(args)
+    say(
+        f"seed workload: {args.blocks} blocks of Linear({args.width}->{2 * args.width})->ReLU->"
+        f"Linear({2 * args.width}->{args.width}), batch {args.batch}"
+    )
+    # Two progress phases, so that the breakdown prints between them (never under a live bar).
+    with Progress.for_args(args) as progress:
+        planner = Planner(model, x, progress=progress.stage)
     prof = planner.profile
     say("memory breakdown:")
     for name, value in planner.breakdown.items():
         say(f"  {name:<36} {format_bytes(value):>12}")
-    say(f"  {'predicted peak without checkpointing':<36} {format_bytes(planner.no_checkpoint_peak_bytes):>12}")
+    say(
+        f"  {'predicted peak without checkpointing':<36} {format_bytes(planner.no_checkpoint_peak_bytes):>12}"
+    )
     budget_gb = args.budget_gb
     if budget_gb is None:
         budget_gb = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2 / GIB
     static = prof.param_bytes + prof.param_grad_bytes
     activations = prof.saved_bytes()
     if activations < 0.05 * static:
-        say(f"note: parameters + gradients are {format_bytes(static)} and saved activations only "
+        say(
+            f"note: parameters + gradients are {format_bytes(static)} and saved activations only "
             f"{format_bytes(activations)}: checkpointing can save at most "
-            f"{100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of the peak here.")
-    fast = planner.optimize(budget_gb=budget_gb, solver=args.solver)
-    plan = fast.plan
+            f"{100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of the peak here."
+        )
+    with Progress.for_args(args) as progress:
+        planner.progress = progress.stage
+        fast = planner.optimize(budget_gb=budget_gb, solver=args.solver)
+        plan = fast.plan
+        progress.stage("measuring")
+        eager = planner.eager or measure(model, x)
+        checked = measure(fast, x)
     say("")
     say(plan.summary())
-    eager = planner.eager or measure(model, x)
-    checked = measure(fast, x)
     say("")
     say(f"{'':<16}{'peak':>12}{'step':>12}")
-    say(f"{'no checkpoint':<16}{format_bytes(eager.peak_bytes):>12}{eager.step_seconds * 1e3:>10.1f}ms")
-    say(f"{'autockpt plan':<16}{format_bytes(checked.peak_bytes):>12}{checked.step_seconds * 1e3:>10.1f}ms")
+    say(
+        f"{'no checkpoint':<16}{format_bytes(eager.peak_bytes):>12}{eager.step_seconds * 1e3:>10.1f}ms"
+    )
+    say(
+        f"{'autockpt plan':<16}{format_bytes(checked.peak_bytes):>12}{checked.step_seconds * 1e3:>10.1f}ms"
+    )
     say(f"{'budget':<16}{format_bytes(plan.budget_bytes):>12}")
     fits = checked.peak_bytes <= plan.budget_bytes
-    say(f"measured peak {'fits' if fits else 'EXCEEDS'} the budget "
+    say(
+        f"measured peak {'fits' if fits else 'EXCEEDS'} the budget "
         f"({100 * checked.peak_bytes / plan.budget_bytes:.1f}% of it); step time "
-        f"{checked.step_seconds / eager.step_seconds:.2f}x of no checkpointing")
+        f"{checked.step_seconds / eager.step_seconds:.2f}x of no checkpointing"
+    )
     if args.json:
-        print(json.dumps({
-            "plan": json.loads(plan.to_json()),
-            "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": eager.step_seconds},
-            "optimized": {"peak_bytes": checked.peak_bytes, "step_seconds": checked.step_seconds},
-            "fits": fits,
-        }))
+        print(
+            json.dumps(
+                {
+                    "plan": json.loads(plan.to_json()),
+                    "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": eager.step_seconds},
+                    "optimized": {
+                        "peak_bytes": checked.peak_bytes,
+                        "step_seconds": checked.step_seconds,
+                    },
+                    "fits": fits,
+                }
+            )
+        )
     return EXIT_OK if fits else EXIT_VERIFY
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import autockpt
+    from autockpt.api import Planner
 
     if args.meta:
         import torch
@@ -221,24 +497,37 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         model, inputs = load_spec(args.spec)
     units = None if args.fsdp_units is None else [u for u in args.fsdp_units.split(",") if u]
-    fast = autockpt.optimize(model, inputs, budget_gb=args.budget_gb, solver=args.solver,
-                             scope=args.scope, time_limit_s=args.time_limit,
-                             world_size=args.world_size, sharding=args.sharding,
-                             fsdp_units=units)
-    fast.plan.save(args.output)
+    with Progress.for_args(args) as progress:
+        planner = Planner(model, inputs, scope=args.scope, progress=progress.stage,
+                          world_size=args.world_size, sharding=args.sharding, fsdp_units=units)
+        fast = planner.optimize(
+            budget_gb=args.budget_gb, solver=args.solver, time_limit_s=args.time_limit
+        )
+    _write(args.output, fast.plan.save, "plan")
     if args.json:
         print(fast.plan.to_json(indent=None))
-    elif not args.quiet:
-        print(fast.plan.summary())
-        print(f"wrote {args.output}")
+    else:
+        say = _say(args)
+        say(fast.plan.summary())
+        say(f"wrote {args.output}")
     return EXIT_OK
 
 
 def _show(args: argparse.Namespace) -> int:
-    from autockpt.plan import Plan
+    plan = _load_plan(args.plan)
+    if args.plot:
+        from autockpt.report import save_figure, timeline_figure
 
-    plan = Plan.load(args.plan)
-    print(plan.to_json() if args.json else plan.summary())
+        figure = timeline_figure(plan)
+        _write(args.plot, lambda path: save_figure(figure, path), "plot")
+    if args.json:
+        print(plan.to_json())
+    elif not args.quiet:
+        from autockpt.report import print_plan
+
+        print_plan(plan)
+        if args.plot:
+            print(f"wrote {args.plot}")
     return EXIT_OK
 
 
@@ -255,12 +544,22 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    module = importlib.import_module(
-        "benchmarks.solvers_bench" if args.which == "solvers" else "benchmarks.budgets"
-    )
+    module = importlib.import_module(BENCHMARKS[args.which][0])
     out = Path(args.out or f"out/{args.which}")
-    module.run(args.quick, out)
-    print(f"wrote {out}/")
+    # A benchmark reports as it goes on stdout; --json keeps stdout for the one JSON object
+    # (the running report moves to stderr) and --quiet drops it.
+    if args.quiet:
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            module.run(args.quick, out)
+    elif args.json:
+        with contextlib.redirect_stdout(sys.stderr):
+            module.run(args.quick, out)
+    else:
+        module.run(args.quick, out)
+    if args.json:
+        print(json.dumps({"benchmark": args.which, "out": str(out)}))
+    else:
+        _say(args)(f"wrote {out}/")
     return EXIT_OK
 
 
@@ -268,47 +567,148 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
 
     import autockpt
-    from autockpt.plan import Plan
     from autockpt.runtime import default_loss, preserved_training_state
     from autockpt.trace import Inputs
 
-    plan = Plan.load(args.plan)
+    plan = _load_plan(args.plan)
     model, example = load_spec(args.spec)
     inputs = Inputs.of(example)
-    fast = autockpt.apply(model, plan, example)
-    checks: dict[str, bool] = {}
-    grads = {}
-    with preserved_training_state(model):
-        torch.manual_seed(0)
-        expected = default_loss(model(*inputs.args, **inputs.kwargs))
-        expected.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    with preserved_training_state(model):
-        torch.manual_seed(0)
-        got = default_loss(fast(*inputs.args, **inputs.kwargs))
-        got.backward()
-        checks["loss equal"] = bool(torch.allclose(expected, got, rtol=1e-5, atol=1e-6))
-        checks["gradients equal"] = all(
-            p.grad is not None and torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6)
-            for n, p in model.named_parameters() if n in grads
-        )
-    measured = autockpt.measure(fast, example)
+    with Progress.for_args(args) as progress:
+        progress.stage("applying the plan")
+        fast = autockpt.apply(model, plan, example)
+        checks: dict[str, bool] = {}
+        grads = {}
+        progress.stage("comparing one step with eager")
+        with preserved_training_state(model):
+            torch.manual_seed(0)
+            expected = default_loss(model(*inputs.args, **inputs.kwargs))
+            expected.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with preserved_training_state(model):
+            torch.manual_seed(0)
+            got = default_loss(fast(*inputs.args, **inputs.kwargs))
+            got.backward()
+            checks["loss equal"] = bool(torch.allclose(expected, got, rtol=1e-5, atol=1e-6))
+            checks["gradients equal"] = all(
+                p.grad is not None and torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6)
+                for n, p in model.named_parameters()
+                if n in grads
+            )
+        progress.stage("measuring peak memory and step time")
+        measured = autockpt.measure(fast, example)
+    used = measured.peak_bytes  # what the budget covers, as the planner counts it
+    if plan.scope == "activations":
+        used = measured.activation_peak_bytes - plan.memory.gradients
     if plan.sharding is None:
-        checks["peak within budget"] = measured.peak_bytes <= plan.budget_bytes
-    elif not args.json:
+        checks["peak within budget"] = used <= plan.budget_bytes
+    elif not args.json and not args.quiet:
         # One unsharded process is not a rank: see docs/distributed.md for per-rank checks.
         print(f"note: the budget is per rank of {plan.world_size} under {plan.sharding}; this "
               "process runs unsharded, so its peak is not checked against it")
     ok = all(checks.values())
     if args.json:
-        print(json.dumps({"ok": ok, "checks": checks, "peak_bytes": measured.peak_bytes,
-                          "budget_bytes": plan.budget_bytes, "step_seconds": measured.step_seconds}))
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "checks": checks,
+                    "peak_bytes": used,
+                    "budget_bytes": plan.budget_bytes,
+                    "scope": plan.scope,
+                    "predicted_peak_bytes": plan.predicted_peak_bytes,
+                    "step_seconds": measured.step_seconds,
+                }
+            )
+        )
     else:
+        say = _say(args)
         for name, value in checks.items():
-            print(f"{'ok  ' if value else 'FAIL'} {name}")
-        print(f"measured peak {measured.peak_bytes} bytes vs budget {plan.budget_bytes}; "
-              f"step {measured.step_seconds * 1e3:.1f} ms")
+            say(f"{'ok  ' if value else 'FAIL'} {name}")
+        say(
+            f"measured peak {used} bytes vs budget {plan.budget_bytes} (scope={plan.scope}); "
+            f"step {measured.step_seconds * 1e3:.1f} ms"
+        )
     return EXIT_OK if ok else EXIT_VERIFY
+
+
+def _frontier(args: argparse.Namespace) -> int:
+    from autockpt.api import Planner
+    from autockpt.report import frontier, frontier_figure, require_matplotlib, save_figure
+
+    if not args.no_plot:  # fail before the expensive part when matplotlib is missing
+        require_matplotlib()
+    model, inputs = load_spec(args.spec)
+    to_stdout = args.json == "-"
+    progress_wanted = not args.quiet and not to_stdout and sys.stderr.isatty()
+    with Progress(progress_wanted) as progress:
+        planner = Planner(model, inputs, scope=args.scope, progress=progress.stage)
+
+        def on_step(what: str, done: int, total: int) -> None:
+            if done == 0:
+                progress.stage(what, total)
+            progress.advance(done)
+
+        result = frontier(
+            planner, budgets=args.budgets, solver=args.solver, measure=args.measure, on_step=on_step
+        )
+    if not args.no_plot:
+        figure = frontier_figure(result)
+        _write(args.output, lambda path: save_figure(figure, path), "plot")
+    data = json.dumps(result.to_dict(), indent=None if to_stdout else 2)
+    if to_stdout:
+        print(data)
+    elif args.json:
+        _write(args.json, lambda path: _write_text(path, data + "\n"), "frontier JSON")
+    if not to_stdout and not args.quiet:
+        _print_frontier(result)
+        for path in filter(None, [None if args.no_plot else args.output, args.json]):
+            print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+
+
+def _print_frontier(result: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from autockpt.errors import format_bytes
+
+    measured = any(p.measured_peak_bytes is not None for p in (*result.points, result.sqrt_point))
+    table = Table(
+        title=f"{result.model}: recompute vs peak (predicted; step "
+        f"{result.step_seconds * 1e3:.1f} ms without checkpointing)",
+        title_justify="left",
+    )
+    for name in ("plan", "budget", "peak", "recompute", "overhead", "segments"):
+        table.add_column(name, justify="left" if name == "plan" else "right")
+    if measured:
+        table.add_column("measured peak", justify="right")
+        table.add_column("measured overhead", justify="right")
+    rows = [*result.points, result.sqrt_point, *([result.per_block] if result.per_block else [])]
+    for point in rows:
+        cells = [
+            point.label if point.label != "per block" else f"per block ({result.block_container})",
+            "-" if point.budget_bytes is None else format_bytes(point.budget_bytes),
+            format_bytes(point.predicted_peak_bytes),
+            f"{point.predicted_recompute_seconds * 1e3:.2f} ms",
+            f"{100 * point.overhead:.1f}%",
+            str(len(point.segments)),
+        ]
+        if measured:
+            cells.append(
+                "-"
+                if point.measured_peak_bytes is None
+                else format_bytes(point.measured_peak_bytes)
+            )
+            cells.append(
+                "-" if point.measured_overhead is None else f"{100 * point.measured_overhead:.1f}%"
+            )
+        table.add_row(*cells)
+    Console(width=None if sys.stdout.isatty() else 120).print(table)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ names. ``Plan.from_json(plan.to_json()) == plan`` holds exactly (floats are writ
 
 Compatibility rule: a plan is readable when its ``schema_version`` equals
 :data:`SCHEMA_VERSION`; a different schema raises :class:`PlanMismatchError` saying both
-versions. The torch version is informational: the graph fingerprint decides whether a plan
-fits a model.
+versions. Within a version, fields are only ever added as optional ones that default to
+``None`` when absent (``timeline`` came this way), so older files stay readable; a renamed
+or re-defined field bumps the version. The torch version is informational: the graph
+fingerprint decides whether a plan fits a model.
 """
 
 from __future__ import annotations
@@ -69,6 +71,42 @@ class RankMemory:
 
 
 @dataclass(frozen=True)
+class MemoryTimeline:
+    """Predicted live bytes at every event of one training step, without checkpointing and
+    with the plan, from the chain model (``solvers.chain.simulate``).
+
+    Stored in the plan so that ``autockpt show --plot`` can draw the step without the model.
+    Compact on purpose: the plan's events are a phase string (``f`` forward, ``r``
+    recompute, ``b`` backward) plus the stage of each event; the no-checkpoint events are
+    always the forward of stages ``0 .. L-1`` then their backward ``L-1 .. 0``. Event
+    durations follow from the per-stage forward and backward seconds (a recompute costs the
+    stage's forward again), so both curves can be drawn against time.
+    """
+
+    phases: str
+    stages: tuple[int, ...]
+    plan_bytes: tuple[int, ...]
+    no_checkpoint_bytes: tuple[int, ...]
+    stage_forward_seconds: tuple[float, ...]
+    stage_backward_seconds: tuple[float, ...]
+
+    def plan_events(self) -> list[tuple[str, int, int, float]]:
+        """``(phase, stage, bytes, seconds)`` for every event of the plan, in order."""
+        durations = {"f": self.stage_forward_seconds, "r": self.stage_forward_seconds,
+                     "b": self.stage_backward_seconds}
+        return [(phase, stage, nbytes, durations[phase][stage])
+                for phase, stage, nbytes in zip(self.phases, self.stages, self.plan_bytes, strict=True)]
+
+    def no_checkpoint_events(self) -> list[tuple[str, int, int, float]]:
+        """``(phase, stage, bytes, seconds)`` for every event without checkpointing."""
+        num = len(self.stage_forward_seconds)
+        order = [("f", k) for k in range(num)] + [("b", k) for k in range(num - 1, -1, -1)]
+        return [(phase, k, nbytes,
+                 (self.stage_forward_seconds if phase == "f" else self.stage_backward_seconds)[k])
+                for (phase, k), nbytes in zip(order, self.no_checkpoint_bytes, strict=True)]
+
+
+@dataclass(frozen=True)
 class Plan:
     """A checkpoint plan: segments plus predictions plus provenance."""
 
@@ -104,6 +142,7 @@ class Plan:
     sharding: str | None = None
     fsdp_units: tuple[str, ...] = ()
     rank_memory: RankMemory | None = None
+    timeline: MemoryTimeline | None = None
     autockpt_version: str = field(default_factory=lambda: _library_version())
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION
@@ -140,7 +179,11 @@ class Plan:
             _check_semantics(plan)
             return plan
         except (KeyError, TypeError, ValueError) as error:
-            raise PlanFormatError(f"plan JSON is malformed: {error}") from error
+            hint = ""
+            if "unknown field" in str(error) and data.get("autockpt_version") != _library_version():
+                hint = (f"; the plan was written by autockpt {data.get('autockpt_version', '?')} "
+                        f"and may hold fields added after {_library_version()}: upgrade to read it")
+            raise PlanFormatError(f"plan JSON is malformed: {error}{hint}") from error
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w", encoding="utf-8") as handle:
@@ -220,6 +263,21 @@ def _check_semantics(plan: Plan) -> None:
                 f"non-empty range inside the {len(plan.stages)} stages"
             )
         previous_end = seg.end_stage
+    if plan.timeline is not None:
+        _check_timeline(plan.timeline, len(plan.stages))
+
+
+def _check_timeline(timeline: MemoryTimeline, num_stages: int) -> None:
+    if not (len(timeline.stage_forward_seconds) == len(timeline.stage_backward_seconds) == num_stages):
+        raise ValueError(f"timeline needs forward and backward seconds for each of the {num_stages} stages")
+    if len(timeline.no_checkpoint_bytes) != 2 * num_stages:
+        raise ValueError(f"timeline.no_checkpoint_bytes needs {2 * num_stages} events (forward and backward of each stage)")
+    if not len(timeline.phases) == len(timeline.stages) == len(timeline.plan_bytes):
+        raise ValueError("timeline.phases, stages and plan_bytes must have one entry per event")
+    if set(timeline.phases) - set("frb"):
+        raise ValueError("timeline.phases may only hold f (forward), r (recompute), b (backward)")
+    if any(not 0 <= k < num_stages for k in timeline.stages):
+        raise ValueError(f"timeline.stages must lie in [0, {num_stages})")
 
 
 def _build(cls: type, data: dict[str, Any]) -> Any:
@@ -250,7 +308,13 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         if value is not None and not isinstance(value, str):
             raise TypeError(f"sharding must be a string or null, got {value!r}")
         return value
-    if name == "stages":
+    if name == "timeline":
+        return None if value is None else _build(MemoryTimeline, value)
+    if kind.startswith("tuple[int"):
+        return tuple(_int(name, item, optional=False) for item in _list(name, value))
+    if kind.startswith("tuple[float"):
+        return tuple(_float(name, item) for item in _list(name, value))
+    if name == "stages" and kind.startswith("tuple[tuple"):
         return tuple((str(a), str(b)) for a, b in _list(name, value))
     if kind.startswith("tuple[str"):
         return tuple(str(item) for item in _list(name, value))
@@ -259,9 +323,7 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
     if kind.startswith("float"):
         if value is None and "None" in kind:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a number, got {value!r}")
-        return float(value)
+        return _float(name, value)
     if kind == "bool":
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be true or false, got {value!r}")
@@ -279,6 +341,12 @@ def _int(name: str, value: Any, optional: bool) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     return value
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 def _list(name: str, value: Any) -> list[Any]:

@@ -1,0 +1,543 @@
+"""Reports for people: plan tables, the memory timeline of one step, and the frontier of
+recompute overhead against peak memory across budgets.
+
+Reporting stays outside the pipeline: no stage of ``trace -> ... -> measure`` imports this
+module, tables need only ``rich`` (a dependency already) and matplotlib is imported inside
+the functions that draw, so everything else works where matplotlib is not installed.
+Figures are built on a bare :class:`matplotlib.figure.Figure` (no ``pyplot`` global state),
+returned to the caller so that tests can inspect axes, labels and legend before saving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autockpt.errors import AutockptError, InfeasibleBudgetError, format_bytes
+from autockpt.plan import Plan
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+    from rich.console import RenderableType
+
+    from autockpt.api import Planner
+
+MIB = 2**20
+
+
+class ReportError(AutockptError):
+    """A report cannot be made from what was given (e.g. a plan without a timeline)."""
+
+
+class MissingDependencyError(AutockptError):
+    """An optional dependency that a report needs (matplotlib) is not installed."""
+
+
+# -- tables --------------------------------------------------------------------------------
+
+
+def plan_tables(plan: Plan) -> list[RenderableType]:
+    """The plan as rich tables: overview, memory breakdown, predicted vs measured, segments."""
+    from rich.table import Table
+
+    overview = Table(title=f"plan for {plan.model}", show_header=False, title_justify="left")
+    overview.add_column("field", style="bold")
+    overview.add_column("value")
+    gap = "unknown" if plan.solver_gap is None else f"{100 * plan.solver_gap:.2f}%"
+    rows = [
+        (
+            "graph",
+            f"{plan.num_nodes} nodes in {len(plan.stages)} stages, captured with "
+            f"{plan.capture_method}; fingerprint {plan.graph_fingerprint}",
+        ),
+        ("inputs", plan.input_signature),
+        ("budget", f"{format_bytes(plan.budget_bytes)} (scope={plan.scope})"),
+        ("solver", f"{plan.solver}: {plan.solver_status}, gap {gap}, {plan.solve_seconds:.3f} s"),
+        (
+            "written by",
+            f"autockpt {plan.autockpt_version}, torch {plan.torch_version}, "
+            f"schema {plan.schema_version}, device {plan.device}",
+        ),
+    ]
+    rows += [("note", note) for note in plan.notes]
+    for row in rows:
+        overview.add_row(*row)
+
+    memory = Table(title="memory breakdown (predicted)", title_justify="left")
+    memory.add_column("part")
+    memory.add_column("bytes", justify="right")
+    parts = dataclasses.asdict(plan.memory)
+    labels = {
+        "kept_activations": "activations kept with the plan",
+        "no_checkpoint_activations": "activations without checkpointing",
+    }
+    for name, value in parts.items():
+        memory.add_row(labels.get(name, name), format_bytes(value))
+    if plan.calibration_bytes:
+        memory.add_row(
+            "calibration (measured, unseen by the graph)", format_bytes(plan.calibration_bytes)
+        )
+
+    peaks = Table(title="peak memory and step time", title_justify="left")
+    peaks.add_column("")
+    peaks.add_column("predicted", justify="right")
+    peaks.add_column("measured", justify="right")
+
+    def measured(value: Any, fmt: Callable[[Any], str]) -> str:
+        return "not measured" if value is None else fmt(value)
+
+    peaks.add_row(
+        "peak with the plan",
+        format_bytes(plan.predicted_peak_bytes),
+        measured(plan.measured_peak_bytes, lambda value: _scoped(plan, value)),
+    )
+    peaks.add_row("budget", format_bytes(plan.budget_bytes), "")
+    peaks.add_row("peak without checkpointing", format_bytes(plan.no_checkpoint_peak_bytes), "")
+    peaks.add_row("leanest plan's peak", format_bytes(plan.minimum_peak_bytes), "")
+    peaks.add_row(
+        "step time with the plan",
+        f"{plan.predicted_step_seconds * 1e3:.2f} ms",
+        measured(plan.measured_step_seconds, lambda s: f"{s * 1e3:.2f} ms"),
+    )
+    peaks.add_row(
+        "recompute",
+        f"{plan.predicted_recompute_seconds * 1e3:.2f} ms "
+        f"({100 * plan.recompute_fraction:.1f}% of the step)",
+        "",
+    )
+
+    segments = Table(title=f"{len(plan.segments)} checkpointed segment(s)", title_justify="left")
+    for name, justify in (
+        ("#", "right"),
+        ("stages", "left"),
+        ("first node", "left"),
+        ("last node", "left"),
+        ("recompute", "right"),
+        ("frees", "right"),
+        ("rng", "left"),
+        ("restores buffers", "left"),
+    ):
+        # Node names are what a reader greps the graph for: wrap them, never elide them.
+        segments.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for k, seg in enumerate(plan.segments):
+        segments.add_row(
+            str(k),
+            f"[{seg.start_stage}, {seg.end_stage})",
+            seg.first_node,
+            seg.last_node,
+            f"{seg.recompute_seconds * 1e3:.2f} ms",
+            format_bytes(seg.bytes_freed),
+            "yes" if seg.preserve_rng else "no",
+            ", ".join(seg.restore_buffers) or "-",
+        )
+    return [overview, memory, peaks, segments]
+
+
+def _scoped(plan: Plan, measured_total: int) -> str:
+    """A measured peak as the plan's budget counts it. ``measured_peak_bytes`` is the whole
+    step's peak; under scope ``activations`` the budget covers only what lies above
+    parameters, buffers, inputs and gradients, so that part is shown (with the total)."""
+    if plan.scope != "activations":
+        return format_bytes(measured_total)
+    m = plan.memory
+    above = measured_total - m.parameters - m.buffers - m.inputs - m.gradients
+    return f"{format_bytes(above)} ({format_bytes(measured_total)} in all)"
+
+
+def render_plan(plan: Plan, width: int = 110) -> str:
+    """The tables of :func:`plan_tables` as plain text (what ``autockpt show`` prints when
+    its output is not a terminal)."""
+    from rich.console import Console
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
+    print_plan(plan, console)
+    return buffer.getvalue()
+
+
+def print_plan(plan: Plan, console: Any = None) -> None:
+    """Print the tables of :func:`plan_tables` to ``console`` (a rich Console; default:
+    stdout, 120 columns wide when stdout is not a terminal so node names stay whole)."""
+    import sys
+
+    from rich.console import Console
+
+    if console is None:
+        console = Console() if sys.stdout.isatty() else Console(width=120)
+    for table in plan_tables(plan):
+        console.print(table)
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`MissingDependencyError` now, before expensive work, if plots cannot be
+    drawn."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError as error:
+        raise MissingDependencyError(
+            "plots need matplotlib: pip install matplotlib (or autockpt[bench])"
+        ) from error
+
+
+def _figure(width: float, height: float) -> Figure:
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _scale(max_bytes: int) -> tuple[float, str]:
+    return (2.0**30, "GiB") if max_bytes >= 2**30 else (float(MIB), "MiB")
+
+
+def _steps(
+    events: Sequence[tuple[str, int, int, float]],
+) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """Cumulative times (ms) and bytes for a step plot, plus the recompute intervals."""
+    times, values, recompute = [0.0], [], []
+    for phase, _, nbytes, seconds in events:
+        start = times[-1]
+        times.append(start + 1e3 * max(seconds, 0.0))
+        values.append(nbytes)
+        if phase == "r":
+            recompute.append((start, times[-1]))
+    values.append(values[-1] if values else 0)
+    return times, values, recompute
+
+
+def timeline_figure(plan: Plan) -> Figure:
+    """Predicted live memory over one training step: no checkpointing vs the plan, against
+    time (a recompute costs its stage's forward again), with the budget as a line."""
+    timeline = plan.timeline
+    if timeline is None:
+        raise ReportError(
+            "this plan has no memory timeline (it was written by an older autockpt); "
+            "re-create it with `autockpt plan` to plot it"
+        )
+    plan_times, plan_bytes, recompute = _steps(timeline.plan_events())
+    base_times, base_bytes, _ = _steps(timeline.no_checkpoint_events())
+    unit, unit_name = _scale(max([plan.budget_bytes, *plan_bytes, *base_bytes]))
+    fig = _figure(9, 4.8)
+    ax = fig.add_subplot()
+    ax.step(
+        base_times,
+        [b / unit for b in base_bytes],
+        where="post",
+        color="tab:gray",
+        label=f"no checkpointing (peak {format_bytes(max(base_bytes))})",
+    )
+    ax.step(
+        plan_times,
+        [b / unit for b in plan_bytes],
+        where="post",
+        color="tab:blue",
+        label=f"plan, {len(plan.segments)} segment(s) (peak {format_bytes(max(plan_bytes))})",
+    )
+    ax.axhline(
+        plan.budget_bytes / unit,
+        color="tab:red",
+        linestyle="--",
+        label=f"budget {format_bytes(plan.budget_bytes)}",
+    )
+    for k, (start, end) in enumerate(recompute):
+        ax.axvspan(
+            start,
+            end,
+            color="tab:orange",
+            alpha=0.2,
+            linewidth=0,
+            label="recompute" if k == 0 else None,
+        )
+    forward_end = 1e3 * sum(timeline.stage_forward_seconds)
+    ax.axvline(forward_end, color="black", linestyle=":", linewidth=1, label="end of forward")
+    ax.set_xlabel("time in one training step (predicted, ms)")
+    ax.set_ylabel(f"live memory ({unit_name}, scope={plan.scope})")
+    ax.set_title(f"{plan.model}: predicted memory over one step")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize="small")
+    return fig
+
+
+def save_figure(fig: Figure, path: str) -> None:
+    """Write ``fig`` as an image; the format follows the file name (``.png``, ``.svg``...)."""
+    fig.savefig(path, dpi=120)
+
+
+# -- frontier ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One plan on the peak-memory / recompute plane. ``overhead`` is predicted recompute
+    time as a fraction of the unmodified step; measured fields are ``None`` unless the
+    frontier was measured."""
+
+    label: str
+    segments: tuple[tuple[int, int], ...]
+    predicted_peak_bytes: int
+    predicted_recompute_seconds: float
+    overhead: float
+    budget_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    measured_step_seconds: float | None = None
+    measured_overhead: float | None = None
+
+
+@dataclass(frozen=True)
+class Frontier:
+    """Pareto-optimal plans across budgets (``points``, by increasing peak) plus the
+    sqrt(n) baseline and, when the model has a container of repeated blocks, the plan that
+    checkpoints each block (``per_block``, with the container's name)."""
+
+    model: str
+    scope: str
+    solver: str
+    step_seconds: float
+    minimum_peak_bytes: int
+    no_checkpoint_peak_bytes: int
+    points: tuple[FrontierPoint, ...]
+    sqrt_point: FrontierPoint
+    per_block: FrontierPoint | None
+    block_container: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def frontier(
+    planner: Planner,
+    *,
+    budgets: int = 12,
+    solver: str = "dp",
+    measure: bool = False,
+    on_step: Callable[[str, int, int], None] | None = None,
+) -> Frontier:
+    """Solve ``budgets`` budgets evenly spaced from the leanest plan's peak to the
+    no-checkpoint peak with one profile; keep the Pareto-optimal plans; add the sqrt(n)
+    and per-block plans. ``measure`` rewrites and measures every point (slow: one real
+    step each). ``on_step(what, done, total)`` reports progress."""
+    if budgets < 2:
+        raise ValueError(f"a frontier needs at least 2 budgets, got {budgets}")
+    report = on_step or (lambda what, done, total: None)
+    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+    step = planner.step_seconds
+    found: dict[tuple[tuple[int, int], ...], FrontierPoint] = {}
+    for k in range(budgets):
+        report("solving budgets", k, budgets)
+        budget = low + (high - low) * k // (budgets - 1)
+        try:
+            solution = planner.solve(max(budget, low), solver=solver)
+        except InfeasibleBudgetError:  # a heuristic (sqrt, greedy) may miss a low budget
+            continue
+        segments = tuple(tuple(seg) for seg in solution.segments)
+        if segments not in found:
+            found[segments] = _point(planner, "optimal", segments, step, budget)
+    report("solving budgets", budgets, budgets)
+    points = _pareto(list(found.values()))
+    sqrt_point = _point(planner, "sqrt(n)", tuple(_sqrt_segments(planner)), step)
+    container, block_segments = repeated_block_segments(planner)
+    per_block = _point(planner, "per block", block_segments, step) if block_segments else None
+    if measure:
+        todo = [*points, sqrt_point, *([per_block] if per_block else [])]
+        # Step times drift on a busy machine: time the unmodified model right before and
+        # right after the plans and compare against the mean of the two.
+        report("measuring plans", 0, len(todo) + 2)
+        before = _measure(planner, planner.model).step_seconds
+        results = []
+        for k, point in enumerate(todo):
+            report("measuring plans", k + 1, len(todo) + 2)
+            results.append(_measure(planner, planner.rewrite(point.segments)))
+        after = _measure(planner, planner.model).step_seconds
+        report("measuring plans", len(todo) + 2, len(todo) + 2)
+        base = (before + after) / 2
+        measured = [
+            dataclasses.replace(
+                point,
+                measured_peak_bytes=planner.budgeted_bytes(result),
+                measured_step_seconds=result.step_seconds,
+                measured_overhead=result.step_seconds / base - 1 if base > 0 else None,
+            )
+            for point, result in zip(todo, results, strict=True)
+        ]
+        points = tuple(measured[: len(points)])
+        sqrt_point = measured[len(points)]
+        per_block = measured[len(points) + 1] if per_block else None
+    return Frontier(
+        model=type(planner.model).__name__,
+        scope=planner.scope,
+        solver=solver,
+        step_seconds=step,
+        minimum_peak_bytes=low,
+        no_checkpoint_peak_bytes=high,
+        points=tuple(points),
+        sqrt_point=sqrt_point,
+        per_block=per_block,
+        block_container=container if block_segments else None,
+    )
+
+
+def _point(
+    planner: Planner,
+    label: str,
+    segments: tuple[tuple[int, int], ...],
+    step: float,
+    budget: int | None = None,
+) -> FrontierPoint:
+    simulation = planner.simulate(segments)
+    return FrontierPoint(
+        label=label,
+        segments=segments,
+        predicted_peak_bytes=simulation.peak_bytes,
+        predicted_recompute_seconds=simulation.recompute_seconds,
+        overhead=simulation.recompute_seconds / step if step > 0 else 0.0,
+        budget_bytes=budget,
+    )
+
+
+def _pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
+    """Points that no other point beats on both peak and recompute, by increasing peak."""
+    kept: list[FrontierPoint] = []
+    for point in sorted(
+        points, key=lambda p: (p.predicted_peak_bytes, p.predicted_recompute_seconds)
+    ):
+        if not kept or point.predicted_recompute_seconds < kept[-1].predicted_recompute_seconds:
+            kept.append(point)
+    return kept
+
+
+def _sqrt_segments(planner: Planner) -> list[tuple[int, int]]:
+    from solvers.sqrt import sqrt_plan
+
+    return sqrt_plan(planner.chain.problem)
+
+
+def _measure(planner: Planner, module: Any) -> Any:
+    from autockpt.measure import measure
+
+    return measure(module, planner.inputs, loss_fn=planner.loss_fn, repeat=5)
+
+
+def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[int, int], ...]]:
+    """Checkpoint each child of the model's biggest container of repeated blocks.
+
+    The container is the ``ModuleList``/``Sequential`` with the most parameters among
+    those whose children all share one type (the transformer layers, the residual
+    stages); a model without one has no per-block plan. Each child becomes the stages that lie wholly
+    inside its graph nodes; a child too small to hold a whole stage is skipped. This is
+    the hand-written baseline most code uses ("checkpoint every layer").
+    """
+    from torch import nn
+
+    candidates = []
+    for name, module in planner.model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            children = list(module.children())
+            if len({type(child) for child in children}) == 1:
+                params = sum(p.numel() for p in module.parameters())
+                candidates.append((params, len(children), name))
+    if not candidates:
+        return None, ()
+    *_, container = max(candidates)
+    prefix = f"{container}." if container else ""
+    span: dict[str, list[int]] = {}
+    for index, node in enumerate(planner.capture.compute_nodes()):
+        child = _child_of(node, prefix)
+        if child is not None:
+            first_last = span.setdefault(child, [index, index])
+            first_last[1] = index
+    stages = planner.chain.stages
+    segments: list[tuple[int, int]] = []
+    for first, last in sorted(span.values()):
+        inside = [k for k, (start, end) in enumerate(stages) if start >= first and end <= last + 1]
+        if inside and (not segments or inside[0] >= segments[-1][1]):
+            segments.append((inside[0], inside[-1] + 1))
+    return container, tuple(segments)
+
+
+def _child_of(node: Any, prefix: str) -> str | None:
+    """The direct child of the container (``prefix``) that ``node`` runs inside, if any."""
+    paths = []
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        paths.append(
+            value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key
+        )
+    if node.op == "call_module":
+        paths.append(str(node.target))
+    for path in paths:
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return prefix + path[len(prefix) :].split(".")[0]
+    return None
+
+
+def frontier_figure(result: Frontier) -> Figure:
+    """Recompute overhead (share of a step) against peak memory: the optimal plans across
+    budgets, the sqrt(n) and per-block baselines, and the measured points if any."""
+    everything = [
+        *result.points,
+        result.sqrt_point,
+        *([result.per_block] if result.per_block else []),
+    ]
+    unit, unit_name = _scale(max(p.predicted_peak_bytes for p in everything))
+    fig = _figure(8, 4.8)
+    ax = fig.add_subplot()
+    ax.plot(
+        [p.predicted_peak_bytes / unit for p in result.points],
+        [100 * p.overhead for p in result.points],
+        marker="o",
+        color="tab:blue",
+        label=f"optimal plans ({result.solver}), predicted",
+    )
+    ax.plot(
+        [result.sqrt_point.predicted_peak_bytes / unit],
+        [100 * result.sqrt_point.overhead],
+        marker="*",
+        markersize=14,
+        linestyle="none",
+        color="tab:orange",
+        label=f"sqrt(n): {len(result.sqrt_point.segments)} equal segments",
+    )
+    if result.per_block is not None:
+        ax.plot(
+            [result.per_block.predicted_peak_bytes / unit],
+            [100 * result.per_block.overhead],
+            marker="D",
+            markersize=9,
+            linestyle="none",
+            color="tab:green",
+            label=f"per block: each child of '{result.block_container}'",
+        )
+    measured = [p for p in everything if p.measured_peak_bytes is not None]
+    if measured:
+        ax.plot(
+            [p.measured_peak_bytes / unit for p in measured],
+            [100 * (p.measured_overhead or 0.0) for p in measured],
+            marker="x",
+            linestyle="none",
+            color="black",
+            label="measured (peak, step-time increase)",
+        )
+    ax.axvline(
+        result.minimum_peak_bytes / unit,
+        color="tab:red",
+        linestyle="--",
+        linewidth=1,
+        label=f"leanest plan {format_bytes(result.minimum_peak_bytes)}",
+    )
+    ax.axvline(
+        result.no_checkpoint_peak_bytes / unit,
+        color="tab:gray",
+        linestyle=":",
+        linewidth=1,
+        label=f"no checkpointing {format_bytes(result.no_checkpoint_peak_bytes)}",
+    )
+    ax.set_xlabel(f"peak memory ({unit_name}, scope={result.scope})")
+    ax.set_ylabel("recompute overhead (% of a step)")
+    ax.set_title(f"{result.model}: recompute vs peak memory across budgets")
+    ax.legend(loc="upper right", fontsize="small")
+    return fig
