@@ -57,6 +57,7 @@ import torch.fx as fx  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from autockpt.profile import CaptureInterpreter, placeholder_values  # noqa: E402
 from autockpt.runtime import (  # noqa: E402
     LossFn,
     clear_grads,
@@ -394,7 +395,6 @@ def record_trace(
     model's training state is restored afterwards.
     """
     from autockpt.measure import static_bytes
-    from autockpt.profile import placeholder_values
 
     loss_fn = loss_fn or default_loss
     device = device_of(model, inputs)
@@ -408,7 +408,7 @@ def record_trace(
             warm = _NodeRunner(model, capture, index_of, None)
             loss = loss_fn(
                 capture.graph._codegen.process_outputs(
-                    warm.run(*placeholder_values(capture, model, inputs))
+                    warm.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
                 )
             )
             loss.backward()
@@ -429,14 +429,14 @@ def _meta_static_bytes(model: nn.Module, inputs: Inputs) -> int:
     return total
 
 
-class _NodeRunner(fx.Interpreter):
+class _NodeRunner(CaptureInterpreter):
     """Runs the captured graph like its generated code (values die after their last use),
     marks each compute node, and notes per node the storages it reads, returns and saves."""
 
     def __init__(
         self, model: nn.Module, capture: Capture, index_of: dict[fx.Node, int], key: Any
     ) -> None:
-        super().__init__(model, garbage_collect_values=True, graph=capture.graph)
+        super().__init__(model, capture, garbage_collect_values=True)
         self.index_of = index_of
         self.key = key  # storage -> hashable key, or None for a plain run
         n = len(index_of)
@@ -503,7 +503,6 @@ def _record_with_profiler(
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from autockpt.measure import _quiet_native_stderr
-    from autockpt.profile import placeholder_values
 
     def key(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
@@ -516,7 +515,7 @@ def _record_with_profiler(
         prof.start()
     try:
         output = capture.graph._codegen.process_outputs(
-            runner.run(*placeholder_values(capture, model, inputs))
+            runner.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
         )
         runner.env.clear()  # the interpreter would hold the graph's outputs through backward
         with record_function(_LOSS_MARK):
@@ -726,7 +725,6 @@ def _record_with_storages(
     loss_fn: LossFn,
     static: int,
 ) -> MemoryTrace:
-    from autockpt.profile import placeholder_values
 
     statics = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
@@ -771,7 +769,7 @@ def _record_with_storages(
     runner.run_node = run_node  # type: ignore[method-assign]
     with tracker:
         output = capture.graph._codegen.process_outputs(
-            runner.run(*placeholder_values(capture, model, inputs))
+            runner.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
         )
         runner.env.clear()  # the interpreter would hold the graph's outputs through backward
         windows.append(Window(LOSS, -1))
