@@ -35,6 +35,7 @@ from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.runtime import LossFn
 from autockpt.simulate import record_trace
 from autockpt.simulate import simulate as simulate_plan
+from autockpt.simulate import timeline as simulate_timeline
 from autockpt.solve import minimum_peak, no_checkpoint_peak
 from autockpt.trace import Capture, Inputs, capture, given_input_names
 from solvers import METHODS, Simulation, Solution, simulate, solve
@@ -194,10 +195,63 @@ class Planner:
     def predict(self, segments: Sequence[tuple[int, int]]) -> int:
         """Predicted peak (in the planner's scope, per rank when sharded) of a plan given as
         stage ranges: the simulator's replay plus the calibration offset."""
+        node_ranges, random = self._node_ranges(segments)
+        return self._scoped(simulate_plan(self.trace, node_ranges, random).peak_bytes, segments)
+
+    def timeline(self, segments: Sequence[tuple[int, int]]) -> MemoryTimeline:
+        """The plan simulator's curve of one step, without checkpointing and with the plan,
+        folded onto the chain's events (what ``autockpt show --plot`` draws): each event's
+        bytes are the highest the replay reaches while that stage runs that phase, so the
+        curves' maxima are :meth:`predict`'s peaks."""
+        problem = self.chain.problem
+        node_ranges, random = self._node_ranges(segments)
+        stage_of = {i: k for k, (first, stop) in enumerate(self.chain.stages) for i in range(first, stop)}
+        segment_stages = {self.chain.node_range(start, end)[0]: range(start, end) for start, end in segments}
+        last = self.chain.num_stages - 1
+
+        def fold(curve: list[tuple[str, int, int]], plan: Sequence[tuple[int, int]]) -> dict[tuple[str, int], int]:
+            peaks: dict[tuple[str, int], int] = {}
+            for phase, node, nbytes in curve:
+                if phase == "recompute":
+                    keys = [("r", k) for k in segment_stages[node]]
+                elif phase == "backward":
+                    keys = [("b", stage_of.get(node, last))]
+                else:  # prologue, forward, loss
+                    keys = [("f", 0 if phase == "prologue" else stage_of.get(node, last))]
+                for key in keys:
+                    peaks[key] = max(peaks.get(key, 0), self._scoped(nbytes, plan))
+            return peaks
+
+        def events(order: list[tuple[str, int]], peaks: dict[tuple[str, int], int]) -> tuple[int, ...]:
+            values, carried = [], 0
+            for key in order:
+                carried = peaks.get(key, carried)
+                values.append(carried)
+            return tuple(values)
+
+        letter = {"forward": "f", "recompute": "r", "backward": "b"}
+        plan_order = [(letter[phase], k) for phase, k, _ in simulate(problem, segments).timeline]
+        base_order = [("f", k) for k in range(last + 1)] + [("b", k) for k in range(last, -1, -1)]
+        return MemoryTimeline(
+            phases="".join(phase for phase, _ in plan_order),
+            stages=tuple(k for _, k in plan_order),
+            plan_bytes=events(plan_order, fold(simulate_timeline(self.trace, node_ranges, random), segments)),
+            no_checkpoint_bytes=events(base_order, fold(simulate_timeline(self.trace, []), [])),
+            stage_forward_seconds=tuple(round(t, 9) for t in problem.forward_seconds),
+            stage_backward_seconds=tuple(round(t, 9) for t in problem.backward_seconds),
+        )
+
+    def _node_ranges(self, segments: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[bool]]:
+        """Compute-node ranges of stage ranges, and whether each holds a random op."""
         node_ranges = [self.chain.node_range(start, end) for start, end in segments]
         random = [any(self.profile.nodes[i].random for i in range(first, stop))
                   for first, stop in node_ranges]
-        total = simulate_plan(self.trace, node_ranges, random).peak_bytes + self.calibration
+        return node_ranges, random
+
+    def _scoped(self, simulated_bytes: int, segments: Sequence[tuple[int, int]]) -> int:
+        """A simulated single-process byte count as the planner's scope counts it: plus the
+        calibration, per rank when sharded, or above the static part for "activations"."""
+        total = simulated_bytes + self.calibration
         if self.scope == "total":
             return total + self._rank_shift(segments)
         return total - self.profile.static_bytes - self.profile.param_grad_bytes
@@ -547,19 +601,5 @@ def _make_plan(
         sharding=planner.sharding.mode,
         fsdp_units=planner.sharding.units,
         rank_memory=planner.rank_memory,
-        timeline=_timeline(problem, simulation),
-    )
-
-
-def _timeline(problem: Any, simulation: Simulation) -> MemoryTimeline:
-    """The compact per-event record ``autockpt show --plot`` draws (see MemoryTimeline)."""
-    letter = {"forward": "f", "recompute": "r", "backward": "b"}
-    without = simulate(problem, []).timeline
-    return MemoryTimeline(
-        phases="".join(letter[phase] for phase, _, _ in simulation.timeline),
-        stages=tuple(stage for _, stage, _ in simulation.timeline),
-        plan_bytes=tuple(nbytes for _, _, nbytes in simulation.timeline),
-        no_checkpoint_bytes=tuple(nbytes for _, _, nbytes in without),
-        stage_forward_seconds=tuple(round(t, 9) for t in problem.forward_seconds),
-        stage_backward_seconds=tuple(round(t, 9) for t in problem.backward_seconds),
+        timeline=planner.timeline(solution.segments),
     )

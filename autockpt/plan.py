@@ -73,7 +73,8 @@ class RankMemory:
 @dataclass(frozen=True)
 class MemoryTimeline:
     """Predicted live bytes at every event of one training step, without checkpointing and
-    with the plan, from the chain model (``solvers.chain.simulate``).
+    with the plan: the plan simulator's replay (``autockpt.simulate.timeline``) folded onto
+    the chain's events, each event holding the highest bytes reached during it.
 
     Stored in the plan so that ``autockpt show --plot`` can draw the step without the model.
     Compact on purpose: the plan's events are a phase string (``f`` forward, ``r``

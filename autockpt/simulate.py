@@ -68,7 +68,7 @@ from autockpt.runtime import (  # noqa: E402
 )
 from autockpt.trace import Capture, Inputs  # noqa: E402
 
-__all__ = ["MemoryTrace", "PlanSimulation", "Window", "record_trace", "simulate"]
+__all__ = ["MemoryTrace", "PlanSimulation", "Window", "record_trace", "simulate", "timeline"]
 
 PROLOGUE, FORWARD, LOSS, BACKWARD = "prologue", "forward", "loss", "backward"
 _NODE_MARK = "autockpt::node::"
@@ -165,6 +165,33 @@ def simulate(
         forward_peak_bytes=static + forward_peak,
         backward_peak_bytes=static + backward_peak,
     )
+
+
+def timeline(
+    trace: MemoryTrace,
+    segments: Sequence[tuple[int, int]],
+    preserve_rng: Sequence[bool] | None = None,
+) -> list[tuple[str, int, int]]:
+    """The same replay as :func:`simulate`, as a curve: ``(phase, node, peak bytes)`` for
+    every slot of the plan's step in time order, where ``phase`` is ``prologue``,
+    ``forward``, ``loss``, ``recompute`` (``node`` = the segment's first node) or
+    ``backward``, and bytes include the static part. Its maximum is ``simulate``'s peak."""
+    replay = _Replay(trace, segments)
+    peaks: dict[int, int] = {}
+    ends: dict[int, int] = {}
+    current = 0
+    for (slot, _), delta, _ in replay.points(preserve_rng):
+        peaks.setdefault(slot, current)  # live on entry, before the slot's first event
+        current += delta
+        peaks[slot] = max(peaks[slot], current)
+        ends[slot] = current
+    curve: list[tuple[str, int, int]] = []
+    live = 0  # live bytes at the end of the previous slot
+    for slot in sorted(replay.slot_phase):
+        phase, node = replay.slot_phase[slot]
+        curve.append((phase, node, trace.static_bytes + peaks.get(slot, live)))
+        live = ends.get(slot, live)
+    return curve
 
 
 class _Replay:
