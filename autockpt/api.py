@@ -285,7 +285,7 @@ class Planner:
             raise InfeasibleBudgetError(
                 budget_bytes, self.minimum_peak_bytes, self.breakdown, self.scope
             )
-        best = self._leanest_solution()
+        best: Solution | None = None
         low, high = self._stage_floor, self._stage_ceiling
         tolerance = max(1, (high - low) // 256)
         while high - low > tolerance:
@@ -295,7 +295,16 @@ class Planner:
                 best, low = candidate, middle
             else:
                 high = middle
-        return best
+        if best is not None:
+            return best
+        if solver in ("sqrt", "greedy"):
+            # Say so rather than hand back another method's plan under this one's name.
+            raise InfeasibleBudgetError(
+                budget_bytes, self.minimum_peak_bytes, self.breakdown, self.scope,
+                f"The '{solver}' heuristic found no plan that fits, but one exists: use "
+                "solver='auto' (or 'dp'/'ilp').",
+            )
+        return self._leanest_solution()  # the exact leanest plan is known to fit
 
     def optimize(
         self,
