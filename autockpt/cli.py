@@ -106,10 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     show.set_defaults(run=_show)
 
-    bench = sub.add_parser("bench", help="run a benchmark: solvers | budgets")
-    bench.add_argument("which", choices=("solvers", "budgets"),
+    bench = sub.add_parser("bench", help="run a benchmark: solvers | budgets | e2e")
+    bench.add_argument("which", choices=("solvers", "budgets", "e2e"),
                        help="solvers: solve time and quality on synthetic and zoo chains; "
-                            "budgets: measured peak and step time across budgets on the zoo")
+                            "budgets: measured peak and step time across budgets on the zoo; "
+                            "e2e: autockpt against per-block checkpointing, checkpoint_sequential, "
+                            "torch.compile memory budgets and other planners")
     bench.add_argument("--quick", action="store_true", help="a short run")
     bench.add_argument("--out", default=None, help="output folder (default out/<which>)")
     bench.set_defaults(run=_bench)
@@ -234,9 +236,9 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    module = importlib.import_module(
-        "benchmarks.solvers_bench" if args.which == "solvers" else "benchmarks.budgets"
-    )
+    modules = {"solvers": "benchmarks.solvers_bench", "budgets": "benchmarks.budgets",
+               "e2e": "benchmarks.e2e"}
+    module = importlib.import_module(modules[args.which])
     out = Path(args.out or f"out/{args.which}")
     module.run(args.quick, out)
     print(f"wrote {out}/")

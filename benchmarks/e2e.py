@@ -426,6 +426,9 @@ def run_case(
                 cell.error = (
                     f"InfeasibleBudgetError: budget {error.budget_bytes / 2**20:.2f} MiB is "
                     f"below the leanest plan's predicted {error.minimum_bytes / 2**20:.2f} MiB"
+                    if error.minimum_bytes > error.budget_bytes
+                    else f"InfeasibleBudgetError: the {method} heuristic found no plan within "
+                    f"{error.budget_bytes / 2**20:.2f} MiB (dp/ilp do)"
                 )
             except Exception as error:  # noqa: BLE001
                 cell.error = _error_text(error)
