@@ -19,7 +19,8 @@ budget) and the point halfway between per-block's peak and no checkpointing.
 
 Per cell: allocator-level peak (``autockpt.measure``: the CPU profiler's allocator events,
 or ``max_memory_allocated`` on CUDA), median step time over interleaved rounds (every round
-times one step of every cell, starting at a rotating position; on CUDA with events), the
+times one step of every cell, starting at a rotating position; on CUDA with events, on a
+CPU as the process's CPU time, which other load on a shared machine does not inflate), the
 median per-round ratio to no checkpointing, profile and solve time, and whether the measured
 peak exceeded the budget. Writes ``e2e.json``, ``e2e.csv``, ``summary.md``,
 ``e2e_frontier.png`` (step time vs peak per method) and ``e2e_budget.png`` (measured peak vs
@@ -85,6 +86,8 @@ class Cell:
     segments: int | None = None
     plan: list[list[int]] | None = None
     """autockpt's segments as chain stage ranges (identical plans time the same)."""
+    same_as: str | None = None
+    """The cell whose identical plan was measured and timed (this one shares its numbers)."""
     error: str | None = None
     times: list[float] = field(default_factory=list)
 
@@ -128,9 +131,11 @@ def _timed(step: Callable[[], None], device: torch.device) -> float:
         end.record()
         torch.cuda.synchronize(device)
         return start.elapsed_time(end) / 1e3
-    begin = time.perf_counter()
+    # On a CPU, the process's CPU time (all its threads): on a machine shared with other
+    # work, wall time mostly measures who else is running; CPU time measures the step's work.
+    begin = time.process_time()
     step()
-    return time.perf_counter() - begin
+    return time.process_time() - begin
 
 
 def _interleave(runners: list[_Runner], rounds: int, device: torch.device) -> None:
@@ -163,18 +168,30 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _compiled(case: Case, fraction: float, inputs: Inputs) -> nn.Module:
-    """``torch.compile`` (inductor) with ``activation_memory_budget=fraction``; the first step
-    runs inside the config patch because compilation is lazy."""
-    import torch._functorch.config as functorch_config
+class _UnderMemoryBudget(nn.Module):
+    """Calls a compiled module with ``activation_memory_budget`` patched in, every time: a
+    recompile (a guard failing) must see the same budget as the first compile."""
 
+    def __init__(self, compiled: nn.Module, fraction: float) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self.fraction = fraction
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.fraction):
+            return self.compiled(*args, **kwargs)
+
+
+def _compiled(case: Case, fraction: float, inputs: Inputs, device: torch.device) -> nn.Module:
+    """``torch.compile`` (inductor) with ``activation_memory_budget=fraction``; compiles on the
+    first step (compilation is lazy), so that step is part of the solve time."""
     model, _ = case.build()
-    torch._dynamo.reset()
-    compiled = torch.compile(model)
-    with functorch_config.patch(activation_memory_budget=fraction):
-        default_loss(compiled(*inputs.args, **inputs.kwargs)).backward()
-    _clear(model)
-    return compiled
+    wrapped = _UnderMemoryBudget(torch.compile(model.to(device)), fraction)
+    default_loss(wrapped(*inputs.args, **inputs.kwargs)).backward()
+    _clear(wrapped)
+    return wrapped
 
 
 def _sac_ilp(case: Case, inputs: Inputs, budget_bytes: int, device: torch.device) -> nn.Module:
@@ -349,18 +366,42 @@ def run_case(
     cells: list[Cell] = []
     runners: list[_Runner] = []
 
-    def add(cell: Cell, module: nn.Module | None, step: Callable[[], None] | None = None) -> None:
+    def add(
+        cell: Cell,
+        module: nn.Module | None,
+        step: Callable[[], None] | None = None,
+        peak: int | None = None,
+    ) -> None:
+        """Record ``cell``; measure the peak of ``module`` (unless ``peak`` was measured
+        already) and time it in the interleaved rounds."""
         cells.append(cell)
         if module is not None and cell.error is None:
-            with _quiet():
-                got = measure(module, inputs, repeat=1, warmup=0)
-            cell.measured_peak_bytes = got.peak_bytes
+            if peak is None:
+                with _quiet():
+                    peak = measure(module, inputs, repeat=1, warmup=0).peak_bytes
+            cell.measured_peak_bytes = peak
             if cell.budget_bytes is not None:
-                cell.over_budget = got.peak_bytes > cell.budget_bytes
+                cell.over_budget = peak > cell.budget_bytes
             runners.append(_Runner(cell, step or _stepper(module, inputs)))
         log(_line(cell))
 
-    add(Cell(case.name, "none", profile_seconds=profile_seconds, segments=0), model)
+    # A plan that autockpt already measured (same segments) is not measured or timed again:
+    # the copy shares its reference's measurements and says so in ``same_as``.
+    measured_plans: dict[tuple[tuple[int, int], ...], Cell] = {}
+
+    def reuse(cell: Cell, reference: Cell) -> None:
+        cell.same_as = f"{reference.method} {reference.budget_label}".strip()
+        cell.measured_peak_bytes = reference.measured_peak_bytes
+        if cell.budget_bytes is not None and cell.measured_peak_bytes is not None:
+            cell.over_budget = cell.measured_peak_bytes > cell.budget_bytes
+        copies.append((cell, reference))
+        cells.append(cell)
+        log(_line(cell) + f"  (same plan as {cell.same_as})")
+
+    copies: list[tuple[Cell, Cell]] = []
+
+    add(Cell(case.name, "none", profile_seconds=profile_seconds, segments=0, plan=[]), model)
+    measured_plans[()] = cells[0]
     for method in FIXED[1:]:
         if method not in methods:
             continue
@@ -379,9 +420,7 @@ def run_case(
                     module = planner.optimize(
                         budget_gb=4 * planner.eager.peak_bytes / GIB, solver="sqrt"
                     )
-                    cell.segments = len(module.plan.segments)
-                    cell.plan = [[s.start_stage, s.end_stage] for s in module.plan.segments]
-                    cell.predicted_peak_bytes = module.plan.predicted_peak_bytes
+                    _record_plan(cell, module)
                     cell.profile_seconds = profile_seconds
                 else:
                     if case.name not in compile_models:
@@ -389,12 +428,14 @@ def run_case(
                             "skipped: inductor compiles take minutes per model on a CPU; "
                             "run with --compile all to include this model"
                         )
-                    module = _compiled(case, float(method.split("_")[1]), inputs)
+                    module = _compiled(case, float(method.split("_")[1]), inputs, device)
         except Exception as error:  # noqa: BLE001 - a peer that cannot run gets its error
             cell.error = _error_text(error)
             module = None
         cell.solve_seconds = time.perf_counter() - started
         add(cell, module)
+        if method == "sqrt" and cell.plan is not None and cell.error is None:
+            measured_plans.setdefault(_key(cell), cell)
     peaks = {c.method: c.measured_peak_bytes for c in cells if c.measured_peak_bytes is not None}
     broken: dict[str, str] = {}  # a peer that failed for a reason unrelated to the budget
     for label, budget in _budgets(planner, peaks):
@@ -404,6 +445,7 @@ def run_case(
             cell = Cell(case.name, method, label, budget)
             module = None
             step = None
+            peak = None
             started = time.perf_counter()
             if method in broken:
                 cell.error = broken[method]
@@ -413,10 +455,15 @@ def run_case(
                 with _quiet():
                     if method in ("greedy", "dp", "ilp"):
                         cell.profile_seconds = profile_seconds
-                        module = planner.optimize(budget_gb=budget / GIB, solver=method)
-                        cell.segments = len(module.plan.segments)
-                        cell.plan = [[s.start_stage, s.end_stage] for s in module.plan.segments]
-                        cell.predicted_peak_bytes = module.plan.predicted_peak_bytes
+                        # Solve without measuring first: a plan measured before is reused.
+                        draft = planner.optimize(
+                            budget_gb=budget / GIB, solver=method, verify=False
+                        )
+                        _record_plan(cell, draft)
+                        if _key(cell) not in measured_plans:
+                            module = planner.optimize(budget_gb=budget / GIB, solver=method)
+                            _record_plan(cell, module)
+                            peak = module.plan.measured_peak_bytes
                     elif method == "sac_ilp":
                         module = _sac_ilp(case, inputs, budget, device)
                     else:
@@ -437,8 +484,15 @@ def run_case(
                 if os.environ.get("AUTOCKPT_BENCH_TRACEBACK"):
                     traceback.print_exc()
             cell.solve_seconds = time.perf_counter() - started
-            add(cell, module if cell.error is None else None, step)
+            if cell.error is None and cell.plan is not None and _key(cell) in measured_plans:
+                reuse(cell, measured_plans[_key(cell)])
+                continue
+            add(cell, module if cell.error is None else None, step, peak)
+            if cell.error is None and cell.plan is not None:
+                measured_plans[_key(cell)] = cell
     _interleave(runners, rounds, device)
+    for cell, reference in copies:
+        cell.times = list(reference.times)
     none = cells[0]
     blocks = next((c for c in cells if c.method == "per_block" and c.times), None)
     for cell in cells:
@@ -447,6 +501,16 @@ def run_case(
             cell.ratio_to_none = paired_ratio(cell, none)
             cell.ratio_to_per_block = paired_ratio(cell, blocks) if blocks else None
     return cells
+
+
+def _record_plan(cell: Cell, module: nn.Module) -> None:
+    cell.segments = len(module.plan.segments)
+    cell.plan = [[s.start_stage, s.end_stage] for s in module.plan.segments]
+    cell.predicted_peak_bytes = module.plan.predicted_peak_bytes
+
+
+def _key(cell: Cell) -> tuple[tuple[int, int], ...]:
+    return tuple((a, b) for a, b in cell.plan or ())
 
 
 def _rockmate_step(module: Any, inputs: Inputs) -> Callable[[], None]:
@@ -557,6 +621,14 @@ def evaluate_targets(cells: list[Cell]) -> list[Target]:
                     )
                     continue
                 ratio = paired_ratio(mine_cell, other)
+                met = None if ratio is None else ratio <= 1.0
+                note = "" if ratio is not None else _why_missing(mine_cell, other)
+                if (
+                    ratio is not None
+                    and mine_cell.plan is not None
+                    and mine_cell.plan == other.plan
+                ):
+                    met, note = True, "same plan: the ratio is timing noise"
                 out.append(
                     Target(
                         model,
@@ -565,8 +637,8 @@ def evaluate_targets(cells: list[Cell]) -> list[Target]:
                         mine_cell.budget_label,
                         ratio,
                         1.0,
-                        None if ratio is None else ratio <= 1.0,
-                        "" if ratio is not None else _why_missing(mine_cell, other),
+                        met,
+                        note,
                     )
                 )
             for peer in ("greedy", "sac_ilp", "rockmate"):
@@ -630,6 +702,12 @@ def _x(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}x"
 
 
+def _segments(cell: Cell) -> str:
+    if cell.segments is None:
+        return ""
+    return f"{cell.segments} (= {cell.same_as})" if cell.same_as else str(cell.segments)
+
+
 def summary_markdown(cells: list[Cell], targets: list[Target]) -> str:
     """Per-model tables of every cell, then the targets."""
     lines: list[str] = []
@@ -653,7 +731,7 @@ def summary_markdown(cells: list[Cell], targets: list[Target]) -> str:
             lines.append(
                 f"| {c.method} | {c.budget_label} | {_mib(c.budget_bytes)} | {_mib(c.measured_peak_bytes)} "
                 f"| {over} | {step} | {_x(c.ratio_to_none)} | {_x(c.ratio_to_per_block)} "
-                f"| {c.profile_seconds + c.solve_seconds:.1f} | {'' if c.segments is None else c.segments} |"
+                f"| {c.profile_seconds + c.solve_seconds:.1f} | {_segments(c)} |"
             )
         lines.append("")
     lines += [
