@@ -320,89 +320,132 @@ _HF_REASON = (
 )
 
 
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {
+        "gpt2": dict(
+            layers=8,
+            dim=128,
+            heads=4,
+            vocab_size=256,
+            block_size=128,
+            seq_len=128,
+            batch=4,
+            dropout=0.1,
+        ),
+        "llama": dict(
+            layers=8, dim=128, heads=4, kv_heads=2, hidden=344, vocab_size=256, seq_len=128, batch=4
+        ),
+        "resnet": dict(width=16, blocks_per_stage=3, batch=8, image_size=64),
+        "block_stack": dict(blocks=16, width=128, batch=2048),
+        "unet": dict(width=16, batch=4, image_size=96),
+        "hf_vit": dict(layers=6, dim=192, heads=3, image_size=64, patch_size=8, batch=8),
+        "mlp_mixer": dict(batch=64),
+    },
+    # GPT-2 small / ViT-B/16-like widths so one block's forward is milliseconds on a GPU.
+    "cuda": {
+        "gpt2": dict(
+            layers=12,
+            dim=768,
+            heads=12,
+            vocab_size=8192,
+            block_size=1024,
+            seq_len=1024,
+            batch=8,
+            dropout=0.1,
+        ),
+        "llama": dict(
+            layers=12,
+            dim=1024,
+            heads=16,
+            kv_heads=4,
+            hidden=2816,
+            vocab_size=8192,
+            seq_len=1024,
+            batch=8,
+        ),
+        "resnet": dict(width=64, blocks_per_stage=3, batch=64, image_size=128),
+        "block_stack": dict(blocks=16, width=1024, batch=16384),
+        "unet": dict(width=32, batch=16, image_size=256),
+        "hf_vit": dict(layers=12, dim=768, heads=12, image_size=224, patch_size=16, batch=64),
+        "mlp_mixer": dict(batch=512),
+    },
+}
+"""Per-device sizes: on two CPU cores a step takes a few hundred milliseconds; on one GPU
+the whole run is meant to fit in minutes."""
+
+
+def _sized(name: str, device: str, quick: bool) -> dict[str, Any]:
+    sizes = dict(SIZES["cpu" if device == "cpu" else "cuda"][name])
+    if quick:
+        sizes["batch"] = max(1, sizes["batch"] // 2)
+    return sizes
+
+
+def _describe(title: str, sizes: dict[str, Any]) -> str:
+    return f"{title} ({', '.join(f'{k}={v}' for k, v in sizes.items())})"
+
+
 def cases(device: str = "cpu", quick: bool = False) -> list[Case]:
-    """The benchmark's workloads, sized for ``device`` (CUDA sizes use larger batches)."""
-    k = 1 if device == "cpu" else 8  # batch multiplier on a GPU
-    q = 2 if quick else 1  # --quick halves the batch
+    """The benchmark's workloads, sized for ``device``; ``quick`` halves every batch."""
+    gpt2 = _sized("gpt2", device, quick)
+    lla = _sized("llama", device, quick)
+    res = _sized("resnet", device, quick)
+    stack = _sized("block_stack", device, quick)
+    un = _sized("unet", device, quick)
     found = [
         Case(
             "gpt2",
-            lambda: gpt(
-                layers=8,
-                dim=128,
-                heads=4,
-                vocab_size=256,
-                block_size=128,
-                seq_len=128,
-                batch=4 * k // q,
-                dropout=0.1,
-            ),
+            lambda: gpt(**gpt2),
             "h",
-            "GPT-2-style decoder (zoo GPT): 8 layers, d=128, 4 heads, seq 128, "
-            f"batch {4 * k // q}, dropout 0.1, tied embeddings",
+            _describe("GPT-2-style decoder (zoo GPT, tied embeddings, dropout)", gpt2),
         ),
         Case(
             "llama",
-            lambda: llama(
-                layers=8,
-                dim=128,
-                heads=4,
-                kv_heads=2,
-                hidden=344,
-                vocab_size=256,
-                seq_len=128,
-                batch=4 * k // q,
-            ),
+            lambda: llama(**lla),
             "layers",
-            "Llama-style decoder: 8 layers, d=128, 4 query / 2 key-value heads, "
-            f"SwiGLU 344, RoPE, RMSNorm, seq 128, batch {4 * k // q}",
+            _describe("Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)", lla),
         ),
-        Case(
-            "resnet",
-            lambda: resnet(width=16, blocks_per_stage=3, batch=8 * k // q, image_size=64),
-            "stages",
-            f"ResNet (zoo): width 16, 3x3 basic blocks, 64x64 images, batch {8 * k // q}",
-        ),
+        Case("resnet", lambda: resnet(**res), "stages", _describe("ResNet (zoo)", res)),
         Case(
             "block_stack",
-            lambda: block_stack(blocks=16, width=128, batch=2048 * k // q),
+            lambda: block_stack(**stack),
             "layers",
-            f"the seed's block stack: 16 blocks Linear(128,256)-ReLU-Linear(256,128), "
-            f"batch {2048 * k // q}",
+            _describe("the seed's block stack, Linear(w,2w)-ReLU-Linear(2w,w) blocks", stack),
         ),
         Case(
             "unet",
-            lambda: unet(width=16, batch=4 * k // q, image_size=96),
+            lambda: unet(**un),
             "enc1,enc2,enc3,bottleneck,up3,up2,up1",
-            f"U-Net (zoo): width 16, 96x96 images, batch {4 * k // q}",
+            _describe("U-Net (zoo)", un),
             sequential_reason=_UNET_REASON,
         ),
     ]
     if _has_transformers():
+        vit = _sized("hf_vit", device, quick)
         found.append(
             Case(
                 "hf_vit",
-                lambda: hf_vit(batch=8 * k // q),
+                lambda: hf_vit(**vit),
                 "vit.encoder.layer",
-                "held out: Hugging Face ViTForImageClassification from a config (6 layers, d=192, "
-                f"64x64 images, patch 8, batch {8 * k // q}); per-block = its own "
-                "gradient_checkpointing_enable",
+                _describe(
+                    "held out: Hugging Face ViTForImageClassification from a config, "
+                    "per-block = its own gradient_checkpointing_enable",
+                    vit,
+                ),
                 sequential_reason=_HF_REASON,
                 hf_gradient_checkpointing=True,
                 held_out=True,
             )
         )
     else:
+        mixer = _sized("mlp_mixer", device, quick)
         found.append(
             Case(
                 "mlp_mixer",
-                lambda: mlp_mixer(batch=64 * k // q),
+                lambda: mlp_mixer(**mixer),
                 "layers",
-                f"held out: MLP-Mixer (zoo), batch {64 * k // q}",
+                _describe("held out: MLP-Mixer (zoo; transformers is not installed)", mixer),
                 held_out=True,
-                notes=(
-                    "transformers is not installed, so the held-out model is the zoo's MLP-Mixer",
-                ),
             )
         )
     return found

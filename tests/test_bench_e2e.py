@@ -148,3 +148,20 @@ def test_cli_accepts_bench_e2e() -> None:
 
     args = _parser().parse_args(["bench", "e2e", "--quick", "--out", "x"])
     assert args.which == "e2e" and args.quick
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_case_on_cuda_uses_cuda_events_and_allocator_peaks() -> None:
+    cells = e2e.run_case(
+        _tiny_stack(),
+        methods=("none", "per_block", "dp"),
+        rounds=2,
+        device=torch.device("cuda"),
+        compile_models=(),
+        log=lambda _: None,
+    )
+    none = next(c for c in cells if c.method == "none")
+    blocks = next(c for c in cells if c.method == "per_block")
+    assert none.measured_peak_bytes > blocks.measured_peak_bytes
+    assert all(c.over_budget is False for c in cells if c.method == "dp" and c.error is None)
+    assert all(t > 0 for t in none.times)
