@@ -22,7 +22,7 @@ or ``max_memory_allocated`` on CUDA), median step time over interleaved rounds (
 times one step of every cell, starting at a rotating position; on CUDA with events, on a
 CPU as the process's CPU time, which other load on a shared machine does not inflate), the
 median per-round ratio to no checkpointing, profile and solve time, and whether the measured
-peak exceeded the budget. Writes ``e2e.json``, ``e2e.csv``, ``summary.md``,
+peak exceeded the budget. Writes ``e2e.json``, ``e2e.csv``, ``summary.md``, ``headline.md`` (the README table),
 ``e2e_frontier.png`` (step time vs peak per method) and ``e2e_budget.png`` (measured peak vs
 budget, with the diagonal).
 """
@@ -772,12 +772,55 @@ def summary_markdown(cells: list[Cell], targets: list[Target]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def headline_markdown(cells: list[Cell], method: str = "dp") -> str:
+    """One row per model: per-block checkpointing against autockpt (``method``) at per-block's
+    own peak and halfway to no checkpointing; peaks in MiB, step times as ratios."""
+    lines = [
+        "| model | no checkpoint | per-block | autockpt at per-block's peak "
+        "| autockpt halfway | never over budget |",
+        "|---|---:|---:|---:|---:|:-:|",
+    ]
+    for model in sorted({c.model for c in cells}, key=[c.model for c in cells].index):
+        mine = [c for c in cells if c.model == model]
+        none = next(c for c in mine if c.method == "none")
+        blocks = next((c for c in mine if c.method == "per_block" and c.times), None)
+        planned = [c for c in mine if c.method == method]
+
+        def at(label: str, planned: list[Cell] = planned, blocks: Cell | None = blocks) -> str:
+            cell = next((c for c in planned if label in c.budget_label.split("/")), None)
+            if cell is None or blocks is None:
+                return "not run"
+            if cell.error:
+                return "no plan: " + cell.error.split(": ", 1)[-1]
+            return (
+                f"{_mib(cell.measured_peak_bytes)} MiB, {paired_ratio(cell, blocks):.2f}x per-block"
+            )
+
+        over = sum(1 for c in planned if c.over_budget)
+        block_text = (
+            f"{_mib(blocks.measured_peak_bytes)} MiB, {blocks.ratio_to_none:.2f}x none"
+            if blocks
+            else "not run"
+        )
+        lines.append(
+            f"| {model} | {_mib(none.measured_peak_bytes)} MiB | {block_text} "
+            f"| {at('per_block_peak')} | {at('halfway')} "
+            f"| {'yes' if not over else f'NO ({over})'} ({len([c for c in planned if not c.error])} plans) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def write(cells: list[Cell], targets: list[Target], out_dir: Path, meta: dict[str, Any]) -> None:
     """``e2e.json``, ``e2e.csv``, ``summary.md`` and the two PNGs."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {**meta, "cells": [c.row() for c in cells], "targets": [asdict(t) for t in targets]}
+    payload = {
+        **meta,
+        "cells": [{**c.row(), "times": c.times} for c in cells],
+        "targets": [asdict(t) for t in targets],
+    }
     (out_dir / "e2e.json").write_text(json.dumps(payload, indent=2) + "\n")
     (out_dir / "summary.md").write_text(summary_markdown(cells, targets))
+    (out_dir / "headline.md").write_text(headline_markdown(cells))
     rows = [c.row() for c in cells]
     with open(out_dir / "e2e.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["model"])

@@ -112,6 +112,7 @@ def test_one_case_end_to_end_writes_files_and_flags(tmp_path) -> None:
     e2e.write(cells, targets, tmp_path, {"command": "test"})
     payload = json.loads((tmp_path / "e2e.json").read_text())
     assert len(payload["cells"]) == len(cells)
+    assert payload["cells"][1]["times"] == blocks.times
     assert {t["target"] for t in payload["targets"]} >= {"never over budget"}
     with open(tmp_path / "e2e.csv") as handle:
         rows = list(csv.DictReader(handle))
@@ -119,6 +120,8 @@ def test_one_case_end_to_end_writes_files_and_flags(tmp_path) -> None:
     assert (tmp_path / "e2e_frontier.png").stat().st_size > 0
     assert (tmp_path / "e2e_budget.png").stat().st_size > 0
     assert "### Targets" in (tmp_path / "summary.md").read_text()
+    headline = (tmp_path / "headline.md").read_text()
+    assert "tiny_stack" in headline and "per-block" in headline
 
 
 def test_targets_flag_an_over_budget_plan_and_a_slow_one() -> None:
