@@ -20,7 +20,8 @@ budget) and the point halfway between per-block's peak and no checkpointing.
 Per cell: allocator-level peak (``autockpt.measure``: the CPU profiler's allocator events,
 or ``max_memory_allocated`` on CUDA), median step time over interleaved rounds (every round
 times one step of every cell, starting at a rotating position; on CUDA with events, on a
-CPU as the process's CPU time, which other load on a shared machine does not inflate), the
+CPU as the process's CPU time, which other load on a shared machine inflates far less than
+wall time), the
 median per-round ratio to no checkpointing, profile and solve time, and whether the measured
 peak exceeded the budget. Writes ``e2e.json``, ``e2e.csv``, ``summary.md``, ``headline.md`` (the README table),
 ``e2e_frontier.png`` (step time vs peak per method) and ``e2e_budget.png`` (measured peak vs
