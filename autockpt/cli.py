@@ -51,6 +51,8 @@ SOLVERS = ("auto", "dp", "ilp", "sqrt", "greedy")  # solvers.METHODS, without im
 BENCHMARKS = {
     "solvers": ("benchmarks.solvers_bench", "solve time and quality on synthetic and zoo chains"),
     "budgets": ("benchmarks.budgets", "measured peak and step time across budgets on the zoo"),
+    "e2e": ("benchmarks.e2e", "autockpt against per-block checkpointing, checkpoint_sequential, "
+            "torch.compile memory budgets and other planners"),
 }
 
 
