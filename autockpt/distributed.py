@@ -27,7 +27,12 @@ Design (and why):
     allocates flat buckets (``bucket_cap_mb``, 25 MiB by default) covering every gradient
     when DDP is constructed, so the buckets together hold one more copy of the gradients
     for as long as the wrapper lives (``gradient_as_bucket_view=True`` removes that copy;
-    the model here assumes the default).
+    the model here assumes the default). The all-reduce runs in place on the buckets and
+    the averaged gradients are copied back into the existing ``.grad`` tensors, so the end
+    of backward allocates nothing more. With ``broadcast_buffers`` (the default) every
+    forward starts with a flat copy of the buffers broadcast from rank 0: a transient of
+    the buffers' size on the first stage.
+  - Both: :data:`RANK_MARGIN_BYTES` (64 KiB) for the process group's own small tensors.
   - FSDP2: each unit's parameters and gradients are sharded ``N`` ways. While a unit runs
     (forward, recompute or backward) its parameters are all-gathered to full size, and the
     next unit's may be prefetched, so two of the largest unit are counted for the whole
