@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from autockpt.distributed import (
+    RANK_MARGIN_BYTES,
     Sharding,
     check_not_wrapped,
     check_units_called,
@@ -568,6 +569,11 @@ def _make_plan(
             f"against a predicted {single}"
         )
         measured_peak = None
+    if planner.sharding.active and planner.scope == "total":
+        notes.append(
+            f"per-rank safety margin: +{RANK_MARGIN_BYTES} bytes for the process group's own "
+            "small tensors (autockpt.distributed.RANK_MARGIN_BYTES)"
+        )
     if planner.calibration:
         notes.append(f"calibrated: +{planner.calibration} bytes the recorded step does not see")
     return Plan(

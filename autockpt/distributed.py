@@ -27,7 +27,12 @@ Design (and why):
     allocates flat buckets (``bucket_cap_mb``, 25 MiB by default) covering every gradient
     when DDP is constructed, so the buckets together hold one more copy of the gradients
     for as long as the wrapper lives (``gradient_as_bucket_view=True`` removes that copy;
-    the model here assumes the default).
+    the model here assumes the default). The all-reduce runs in place on the buckets and
+    the averaged gradients are copied back into the existing ``.grad`` tensors, so the end
+    of backward allocates nothing more. With ``broadcast_buffers`` (the default) every
+    forward starts with a flat copy of the buffers broadcast from rank 0: a transient of
+    the buffers' size on the first stage.
+  - Both: :data:`RANK_MARGIN_BYTES` (64 KiB) for the process group's own small tensors.
   - FSDP2: each unit's parameters and gradients are sharded ``N`` ways. While a unit runs
     (forward, recompute or backward) its parameters are all-gathered to full size, and the
     next unit's may be prefetched, so two of the largest unit are counted for the whole
@@ -46,7 +51,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +67,9 @@ from solvers import ChainProblem
 
 SHARDINGS = (None, "ddp", "fsdp")
 DDP_BUCKET_CAP_BYTES = 25 * 2**20
+# Per-rank safety margin: the process group's own small tensors (gloo work and address
+# objects of about a kilobyte, freed on its worker threads) that no graph profile sees.
+RANK_MARGIN_BYTES = 64 * 2**10
 
 
 @dataclass(frozen=True)
@@ -266,13 +275,19 @@ def rank_problem(
 
     ``problem.static_bytes`` is the single-process static part (parameters + buffers +
     inputs + calibration + output tail); the parameter part is replaced by what one rank
-    keeps, and the engines' buffers are added (see the module docstring). Returns the
+    keeps, and the engines' buffers are added (see the module docstring), plus
+    :data:`RANK_MARGIN_BYTES` for the process group's own small tensors. Returns the
     per-rank problem and the breakdown recorded in the plan.
     """
     n = sharding.world_size
     rest = problem.static_bytes - parameters  # buffers, inputs, output tail, calibration
     if sharding.mode == "ddp":
         buckets = gradients
+        # broadcast_buffers (DDP's default) copies every buffer into one flat tensor at the
+        # start of each forward and broadcasts it from rank 0: a transient of the buffers'
+        # size while the first stage runs.
+        transient = list(problem.transient_bytes)
+        transient[0] += buffers
         memory = RankMemory(
             parameters=parameters,
             gradients=gradients,
@@ -281,7 +296,12 @@ def rank_problem(
             reduce_scatter=0,
             static=parameters + buckets + buffers + inputs,
         )
-        return dataclasses.replace(problem, static_bytes=rest + parameters + buckets), memory
+        problem = dataclasses.replace(
+            problem,
+            static_bytes=rest + parameters + buckets + RANK_MARGIN_BYTES,
+            transient_bytes=tuple(transient),
+        )
+        return problem, memory
 
     split = _param_split(model, sharding.units)
     largest = max(split.unit_bytes.values(), default=0)
@@ -334,7 +354,7 @@ def rank_problem(
     )
     problem = dataclasses.replace(
         problem,
-        static_bytes=rest + local_params + gathered,
+        static_bytes=rest + local_params + gathered + RANK_MARGIN_BYTES,
         param_grad_bytes=tuple(max(0, g) for g in grads),
         transient_bytes=tuple(transient),
     )
@@ -366,26 +386,44 @@ def wrap(model: nn.Module, mode: str, units: Iterable[str] = (), **engine_kwargs
 class _AllocationLedger:
     """Live CPU allocations by address, replayed from profiler sessions in time order.
 
-    The CPU allocator reports a free to the profiler only on threads the profiler watches;
-    gloo's worker threads sometimes drop the last reference to a communicated tensor (FSDP2's
-    reduce-scatter input) and that free goes unreported. An address allocated again proves
-    the earlier block was freed: the ledger then frees it at the latest possible moment,
-    just before the new allocation. Blocks never reused stay counted, so the figures remain
-    upper bounds of the truth, only tighter than a plain running sum.
+    The CPU allocator reports an allocation or free to the profiler only on threads the
+    profiler watches; gloo's worker threads drop the last reference to communicated tensors
+    (DDP's flat broadcast copies of parameters and buffers, FSDP2's reduce-scatter input)
+    and those frees go unreported. Two witnesses recover them:
+
+    * the allocator's running total (``total`` of each event, kept process-wide while
+      :func:`_allocator_totals_on_every_thread` is active): a change between two events that
+      the second event does not explain happened on another thread. An unexplained drop
+      retires the most recent live block of exactly that size (or bytes first counted as
+      allocated on another thread); a rise is counted as memory of another thread.
+    * address reuse: an address allocated again proves the earlier block was freed; the
+      ledger then frees it at the latest possible moment, just before the new allocation.
+
+    A drop that matches no block and a block whose free is never witnessed stay counted, so
+    the figures remain upper bounds of the truth.
     """
 
     def __init__(self) -> None:
         self.live: dict[int, int] = {}
         self.current = 0
+        self.elsewhere = 0  # bytes allocated on unwatched threads, not yet seen freed
+        self._total: int | None = None
 
     def replay(self, prof: Any) -> int:
-        """Apply one profiler session's allocation events; return the peak reached."""
+        """Apply one profiler session's allocation events; return the peak reached. (A
+        change of the total between sessions counts as made on another thread.)"""
         return self.apply(_allocations(prof))
 
-    def apply(self, events: Iterable[tuple[int, int]]) -> int:
-        """Apply ``(address, signed bytes)`` events in time order; return the peak reached."""
+    def apply(self, events: Iterable[tuple[int, ...]]) -> int:
+        """Apply ``(address, signed bytes[, allocator total after the event])`` events in
+        time order; return the peak reached."""
         peak = self.current
-        for ptr, nbytes in events:
+        for ptr, nbytes, *total in events:
+            after = total[0] if total else None
+            if after is not None and self._total is not None:
+                self._unwatched(after - nbytes - self._total)
+                peak = max(peak, self.current)
+            self._total = after
             if nbytes > 0:
                 self.current += nbytes - self.live.pop(ptr, 0)
                 self.live[ptr] = nbytes
@@ -394,11 +432,65 @@ class _AllocationLedger:
                 self.current -= self.live.pop(ptr, 0)
         return peak
 
+    def _unwatched(self, change: int) -> None:
+        """Account a change of the allocator's total made on a thread the profiler does not
+        watch: a free of a block this ledger holds, or memory of that thread."""
+        if change > 0:
+            self.elsewhere += change
+            self.current += change
+        elif change < 0:
+            size = -change
+            for ptr in reversed(self.live):  # most recent first: frees follow soon
+                if self.live[ptr] == size:
+                    del self.live[ptr]
+                    self.current -= size
+                    return
+            if self.elsewhere >= size:
+                self.elsewhere -= size
+                self.current -= size
 
-def _allocations(prof: Any) -> list[tuple[int, int]]:
-    """``(address, signed bytes)`` of every CPU allocator event of a session, in time order."""
+
+@contextmanager
+def _allocator_totals_on_every_thread() -> Iterator[bool]:
+    """Make the CPU allocator keep its running total on every thread while profiling.
+
+    The allocator updates the total it attaches to profiler events only on watched threads,
+    unless the ``caffe2_report_cpu_memory_usage`` flag is set, in which case frees on gloo's
+    worker threads lower it too and :class:`_AllocationLedger` can see them. Yields whether
+    the flag could be set (it is a symbol of the c10 library; without it, only address reuse
+    recovers unreported frees).
+    """
+    flag = _report_cpu_memory_flag()
+    if flag is None:
+        yield False
+        return
+    before = flag.value
+    flag.value = True
+    try:
+        yield True
+    finally:
+        flag.value = before
+
+
+def _report_cpu_memory_flag() -> Any:
+    import ctypes
+    import glob
+    import os
+
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for path in sorted(glob.glob(os.path.join(libdir, "*c10.*"))):
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _allocations(prof: Any) -> list[tuple[int, int, int]]:
+    """``(address, signed bytes, allocator total after it)`` of every CPU allocator event of
+    a session, in time order."""
     allocation = torch._C._profiler._EventType.Allocation
-    found: list[tuple[int, int, int]] = []
+    found: list[tuple[int, int, int, int]] = []
     stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
     while stack:  # pre-order, siblings in recorded order, so the sort below is stable
         node = stack.pop()
@@ -406,9 +498,11 @@ def _allocations(prof: Any) -> list[tuple[int, int]]:
         if node.tag == allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu" and fields.alloc_size:
-                found.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+                found.append(
+                    (node.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated)
+                )
     found.sort(key=lambda item: item[0])
-    return [(ptr, nbytes) for _, ptr, nbytes in found]
+    return [(ptr, nbytes, total) for _, ptr, nbytes, total in found]
 
 
 @dataclass(frozen=True)
@@ -437,12 +531,12 @@ def measure_rank(
     parameters it shards). Everything it leaves alive is the rank's resident memory; the
     peak of one step after ``warmup`` steps (DDP re-allocates its buckets once after the
     first iteration) is measured on top. Frees that gloo performs on its own threads are not
-    reported; :class:`_AllocationLedger` recovers those whose address is reused, so the
-    figures are upper bounds. ``device="cuda"``: the caching allocator's counters.
+    reported to the profiler; :class:`_AllocationLedger` recovers them from the allocator's
+    process-wide running total (kept on every thread during the measurement) and from
+    address reuse, and counts what neither witnesses, so the figures are upper bounds.
+    ``device="cuda"``: the caching allocator's counters.
     """
     from torch.profiler import ProfilerActivity, profile
-
-    from autockpt.measure import _quiet_native_stderr
 
     loss_fn = loss_fn or default_loss
 
@@ -467,32 +561,45 @@ def measure_rank(
         peak = torch.cuda.max_memory_allocated() - base
         clear_grads(model)
     else:
-        setup = session()
-        with _quiet_native_stderr():
-            setup.start()
-        try:
-            model, raw = build()
-            inputs = Inputs.of(raw)
-            for _ in range(warmup):
-                step(model, inputs)
-                clear_grads(model)
-        finally:
-            with _quiet_native_stderr():
-                setup.stop()
-        ledger = _AllocationLedger()
-        ledger.replay(setup)
-        resident = ledger.current
-        measured = session()
-        with _quiet_native_stderr():
-            measured.start()
-        try:
-            step(model, inputs)
-        finally:
-            with _quiet_native_stderr():
-                measured.stop()
-        peak = ledger.replay(measured)
-        clear_grads(model)
+        with _allocator_totals_on_every_thread():
+            peak, resident, model, inputs = _measure_cpu(build, step, session, warmup)
     rank, size = 0, 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     return model, inputs, RankMeasurement(peak, resident, size, rank)
+
+
+def _measure_cpu(
+    build: Callable[[], tuple[nn.Module, Any]],
+    step: Callable[[nn.Module, Inputs], None],
+    session: Callable[[], Any],
+    warmup: int,
+) -> tuple[int, int, nn.Module, Inputs]:
+    from autockpt.measure import _quiet_native_stderr
+
+    setup = session()
+    with _quiet_native_stderr():
+        setup.start()
+    try:
+        model, raw = build()
+        inputs = Inputs.of(raw)
+        for _ in range(warmup):
+            step(model, inputs)
+            clear_grads(model)
+    finally:
+        with _quiet_native_stderr():
+            setup.stop()
+    ledger = _AllocationLedger()
+    ledger.replay(setup)
+    resident = ledger.current
+    measured = session()
+    with _quiet_native_stderr():
+        measured.start()
+    try:
+        step(model, inputs)
+    finally:
+        with _quiet_native_stderr():
+            measured.stop()
+    peak = ledger.replay(measured)
+    clear_grads(model)
+    return peak, resident, model, inputs

@@ -219,6 +219,22 @@ def test_allocation_ledger_frees_a_block_whose_free_went_unreported_when_its_add
     assert ledger.apply([(0x99, -7)]) == 80  # a free of a block it never saw changes nothing
 
 
+def test_allocation_ledger_reads_frees_on_other_threads_from_the_allocator_total():
+    ledger = _AllocationLedger()
+    # Events carry the allocator's running total after them; 0x10 (100 bytes) is freed on
+    # another thread before the third event: the total drops by 100 that nobody reported.
+    assert ledger.apply([(0x10, 100, 100), (0x20, 50, 150), (0x30, 10, 60)]) == 150
+    assert ledger.current == 60 and 0x10 not in ledger.live
+    # The address returning later frees nothing twice.
+    assert ledger.apply([(0x10, 20, 80)]) == 80
+    # A rise nobody reported is memory of another thread: counted until the total drops.
+    assert ledger.apply([(0x40, 5, 100)]) == 100
+    assert ledger.apply([(0x40, -5, 80)]) == 100
+    assert ledger.current == 80
+    # A drop matching no block and no other thread's bytes stays counted (upper bound).
+    assert ledger.apply([(0x50, 1, 1)]) == 81
+
+
 def test_evaluation_after_fully_shard_uses_the_trained_root_parameters(one_rank_group):
     from torch.distributed.fsdp import fully_shard
 
