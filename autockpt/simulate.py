@@ -578,7 +578,12 @@ def _record_with_profiler(
         stack.extend(reversed(event.children))
     flat.sort(key=lambda item: (item[0], item[1]))
 
-    # Pass 1: which node (or the loss) created each autograd sequence number.
+    # Pass 1: which node (or the loss) created each autograd sequence number. An operator
+    # event carries the sequence number autograd will give the *next* node it creates, also
+    # when the operator itself creates none (an op on tensors that need no gradient, such as
+    # the labels an export graph shifts before its loss): that op reports the number the
+    # next differentiable op will take. The creator is therefore the *last* operator in the
+    # forward to report a number (after it, the counter has moved on), not the first.
     seq_owner: dict[int, int] = {}
     owner = None
     for _, _, kind, payload in flat:
@@ -589,7 +594,7 @@ def _record_with_profiler(
         elif kind == "backward":
             break
         elif kind == "op" and owner is not None:
-            seq_owner.setdefault(payload, owner)
+            seq_owner[payload] = owner
 
     # Pass 2: windows and allocation events; pointers resolved to allocation ids.
     windows: list[Window] = []
