@@ -73,6 +73,7 @@ __all__ = ["MemoryTrace", "PlanSimulation", "Window", "record_trace", "simulate"
 PROLOGUE, FORWARD, LOSS, BACKWARD = "prologue", "forward", "loss", "backward"
 _NODE_MARK = "autockpt::node::"
 _LOSS_MARK = "autockpt::loss"
+_PACK_MARK = "autockpt::pack"
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,9 @@ class MemoryTrace:
     static_bytes: int
     source: str
     rng_state_bytes: int = 0
+    last_pack: tuple[int, ...] = ()
+    """Per compute node, how many events precede its last save for backward (-1 when it
+    saves nothing or it is unknown): a checkpoint's recompute stops there (early stop)."""
 
     def eager_peak_bytes(self) -> int:
         """The recorded step's own peak (static part included)."""
@@ -264,6 +268,14 @@ class _Replay:
             for a in allocations:
                 self.readers.setdefault(a, []).append(i)
         self.graph_outputs = set(trace.output_allocations)
+        # Early stop: a recompute ends at the segment's last save for backward (the
+        # checkpoint stops once every saved tensor is back); what the rest of the segment
+        # would allocate never is, and the recompute's temporaries die there.
+        self.recompute_stop: dict[int, int] = {}
+        for k, (first, stop) in enumerate(self.segments):
+            packs = [trace.last_pack[i] for i in range(first, stop) if i < len(trace.last_pack)]
+            if packs and max(packs) >= 0:
+                self.recompute_stop[k] = max(packs)
 
     # -- positions ------------------------------------------------------------------------
 
@@ -357,6 +369,9 @@ class _Replay:
         first, stop = self.segments[k]
         slot = self.recompute_slot[k]
         size = self.trace.sizes[a]
+        end = self.recompute_stop.get(k)
+        if end is not None and e >= end:
+            return []  # after the segment's last save: the recompute stopped before it
         freed_in = self.window_of(f)
         inside_savers = [j for j in self.savers.get(a, []) if first <= j < stop]
         if inside_savers:
@@ -379,6 +394,8 @@ class _Replay:
             inside_readers = [j for j in self.readers.get(a, []) if producer <= j < stop]
             last = self.forward_window[max([producer, *inside_readers])]
             free = (slot, self.last_event_of_window.get(last, e) + 0.5)
+        if end is not None and free[0] == slot and free[1] > end - 0.5:
+            free = (slot, end - 0.5)  # a temporary the stopped recompute drops
         return [((slot, e), size, ~a), (free, -size, ~a)]
 
     def rng_stashes(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
@@ -435,7 +452,9 @@ def record_trace(
             warm = _NodeRunner(model, capture, index_of, None)
             loss = loss_fn(
                 capture.graph._codegen.process_outputs(
-                    warm.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
+                    warm.run(
+                        *placeholder_values(capture, model, inputs), enable_io_processing=False
+                    )
                 )
             )
             loss.backward()
@@ -472,6 +491,7 @@ class _NodeRunner(CaptureInterpreter):
         self.saved: list[list[Any]] = [[] for _ in range(n)]
         self.graph_outputs: list[Any] = []
         self.on_node: Any = None
+        self.mark_packs = False  # a profiler mark at each save (where recomputes stop)
 
     def run_node(self, n: fx.Node) -> Any:
         i = self.index_of.get(n)
@@ -488,6 +508,9 @@ class _NodeRunner(CaptureInterpreter):
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved.append(self.key(t))
+            if self.mark_packs:
+                with torch.profiler.record_function(f"{_PACK_MARK}{i}"):
+                    pass
             return t
 
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: self.env.get(a))
@@ -535,6 +558,7 @@ def _record_with_profiler(
         return t.untyped_storage().data_ptr()
 
     runner = _NodeRunner(model, capture, index_of, key)
+    runner.mark_packs = True
     # Allocator events of every device come through the CPU activity (the allocators report
     # them from the host); no CUDA tracing is needed.
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -568,6 +592,8 @@ def _record_with_profiler(
             flat.append((event.start_time_ns, order, "node", int(name[len(_NODE_MARK) :])))
         elif name == _LOSS_MARK:
             flat.append((event.start_time_ns, order, "loss", None))
+        elif name.startswith(_PACK_MARK):
+            flat.append((event.start_time_ns, order, "pack", int(name[len(_PACK_MARK) :])))
         elif name.startswith("autograd::engine::evaluate_function"):
             flat.append(
                 (event.start_time_ns, order, "backward", getattr(fields, "sequence_number", -1))
@@ -604,8 +630,13 @@ def _record_with_profiler(
     history: dict[int, list[tuple[int, int]]] = {}  # ptr -> [(event index, allocation id)]
     current = -1
     in_backward = False
+    last_pack = [-1] * len(index_of)
     for _, _, kind, payload in flat:
         new: Window | None = None
+        if kind == "pack":
+            if not in_backward:
+                last_pack[payload] = len(events)
+            continue
         if kind == "node":
             new = Window(FORWARD, payload)
         elif kind == "loss":
@@ -666,6 +697,7 @@ def _record_with_profiler(
         source="allocator",
         # torch.get_rng_state() is a CPU tensor: it counts where the allocator counted is CPU's
         rng_state_bytes=torch.get_rng_state().nbytes if device.type == "cpu" else 0,
+        last_pack=tuple(last_pack),
     )
 
 

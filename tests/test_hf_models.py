@@ -60,7 +60,10 @@ def _check_three_budgets(name: str) -> None:
         # the plan simulator's prediction is the measured peak to within 5%, as on fx
         predicted = fast.plan.predicted_peak_bytes
         assert abs(predicted - measured.peak_bytes) <= PREDICTION_TOLERANCE * measured.peak_bytes, (
-            name, fraction, predicted, measured.peak_bytes,
+            name,
+            fraction,
+            predicted,
+            measured.peak_bytes,
         )
         if fraction == FRACTIONS[0]:
             assert fast.plan.segments, f"{name}: the tightest budget needs checkpointing"
