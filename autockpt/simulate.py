@@ -24,17 +24,20 @@ eager step of the captured graph, and then reschedules exactly the allocations a
      for the recompute), or its eager free when no node saves it (a model output the loss
      holds). Saves by nodes inside a segment no longer hold it.
   2. Before the first backward window of a segment, the segment's forward allocations are
-     replayed (the recompute). A recomputed tensor that a segment node saves lives until that
-     node's backward frees it, exactly where eager freed the original; the others die after
-     their last use inside the recompute.
+     replayed (the recompute) up to the segment's last save for backward, where the
+     checkpoint stops recomputing (early stop) and the recompute's temporaries die. A
+     recomputed tensor that a segment node saves lives until that node's backward frees
+     it, exactly where eager freed the original; the others die after their last use
+     inside the recompute.
   3. Everything else (gradients, loss, parameter gradients, workspaces) happens as in eager.
 
   The peak is the static part (parameters, buffers, inputs) plus the highest running sum.
 
 The replay is exact for what it moves and keeps everything else as measured, so its error is
-limited to effects it ignores: the checkpoint's own bookkeeping (RNG state, a few hundred
-bytes per segment), early-stopped recomputes that skip trailing nodes, and allocator
-behaviour that depends on the order of frees (caching on CUDA). docs/memory.md lists them.
+limited to effects it ignores: the checkpoint's own bookkeeping (a few hundred bytes per
+segment) and allocator behaviour that depends on the order of frees (caching on CUDA).
+docs/memory.md lists them. (The meta-device recorder below does not mark saves, so its
+replays recompute whole segments.)
 
 On the meta device there is no allocator; a dispatch mode sees every storage an operator
 returns and a weak-reference callback sees it die. Kernel workspaces are invisible there, so
