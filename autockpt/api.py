@@ -159,8 +159,15 @@ class Planner:
         self.eager = measure(model, self.inputs, loss_fn=loss_fn, repeat=3) if calibrate else None
         self.calibration = 0
         if self.eager is not None:
+            # Calibrate against what every plan becomes (the captured graph, rewritten without
+            # checkpoints), not the user's module: an export graph lifts tensors the user's
+            # forward makes on every call (Swin's shifted-window attention mask) into
+            # constants, so the user's own step allocates bytes no rewritten step does.
+            unplanned = measure(
+                rewrite(model, self.capture, []), self.inputs, loss_fn=loss_fn, repeat=1
+            )
             self.calibration = max(
-                0, self.eager.peak_bytes - simulate_plan(self.trace, []).peak_bytes
+                0, unplanned.peak_bytes - simulate_plan(self.trace, []).peak_bytes
             )
         # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not
         # the activations: the stage model gets the per-rank terms, and each simulated

@@ -24,17 +24,20 @@ eager step of the captured graph, and then reschedules exactly the allocations a
      for the recompute), or its eager free when no node saves it (a model output the loss
      holds). Saves by nodes inside a segment no longer hold it.
   2. Before the first backward window of a segment, the segment's forward allocations are
-     replayed (the recompute). A recomputed tensor that a segment node saves lives until that
-     node's backward frees it, exactly where eager freed the original; the others die after
-     their last use inside the recompute.
+     replayed (the recompute) up to the segment's last save for backward, where the
+     checkpoint stops recomputing (early stop) and the recompute's temporaries die. A
+     recomputed tensor that a segment node saves lives until that node's backward frees
+     it, exactly where eager freed the original; the others die after their last use
+     inside the recompute.
   3. Everything else (gradients, loss, parameter gradients, workspaces) happens as in eager.
 
   The peak is the static part (parameters, buffers, inputs) plus the highest running sum.
 
 The replay is exact for what it moves and keeps everything else as measured, so its error is
-limited to effects it ignores: the checkpoint's own bookkeeping (RNG state, a few hundred
-bytes per segment), early-stopped recomputes that skip trailing nodes, and allocator
-behaviour that depends on the order of frees (caching on CUDA). docs/memory.md lists them.
+limited to effects it ignores: the checkpoint's own bookkeeping (a few hundred bytes per
+segment) and allocator behaviour that depends on the order of frees (caching on CUDA).
+docs/memory.md lists them. (The meta-device recorder below does not mark saves, so its
+replays recompute whole segments.)
 
 On the meta device there is no allocator; a dispatch mode sees every storage an operator
 returns and a weak-reference callback sees it die. Kernel workspaces are invisible there, so
@@ -73,6 +76,7 @@ __all__ = ["MemoryTrace", "PlanSimulation", "Window", "record_trace", "simulate"
 PROLOGUE, FORWARD, LOSS, BACKWARD = "prologue", "forward", "loss", "backward"
 _NODE_MARK = "autockpt::node::"
 _LOSS_MARK = "autockpt::loss"
+_PACK_MARK = "autockpt::pack"
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,9 @@ class MemoryTrace:
     static_bytes: int
     source: str
     rng_state_bytes: int = 0
+    last_pack: tuple[int, ...] = ()
+    """Per compute node, how many events precede its last save for backward (-1 when it
+    saves nothing or it is unknown): a checkpoint's recompute stops there (early stop)."""
 
     def eager_peak_bytes(self) -> int:
         """The recorded step's own peak (static part included)."""
@@ -264,6 +271,14 @@ class _Replay:
             for a in allocations:
                 self.readers.setdefault(a, []).append(i)
         self.graph_outputs = set(trace.output_allocations)
+        # Early stop: a recompute ends at the segment's last save for backward (the
+        # checkpoint stops once every saved tensor is back); what the rest of the segment
+        # would allocate never is, and the recompute's temporaries die there.
+        self.recompute_stop: dict[int, int] = {}
+        for k, (first, stop) in enumerate(self.segments):
+            packs = [trace.last_pack[i] for i in range(first, stop) if i < len(trace.last_pack)]
+            if packs and max(packs) >= 0:
+                self.recompute_stop[k] = max(packs)
 
     # -- positions ------------------------------------------------------------------------
 
@@ -357,6 +372,9 @@ class _Replay:
         first, stop = self.segments[k]
         slot = self.recompute_slot[k]
         size = self.trace.sizes[a]
+        end = self.recompute_stop.get(k)
+        if end is not None and e >= end:
+            return []  # after the segment's last save: the recompute stopped before it
         freed_in = self.window_of(f)
         inside_savers = [j for j in self.savers.get(a, []) if first <= j < stop]
         if inside_savers:
@@ -379,6 +397,8 @@ class _Replay:
             inside_readers = [j for j in self.readers.get(a, []) if producer <= j < stop]
             last = self.forward_window[max([producer, *inside_readers])]
             free = (slot, self.last_event_of_window.get(last, e) + 0.5)
+        if end is not None and free[0] == slot and free[1] > end - 0.5:
+            free = (slot, end - 0.5)  # a temporary the stopped recompute drops
         return [((slot, e), size, ~a), (free, -size, ~a)]
 
     def rng_stashes(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
@@ -435,7 +455,9 @@ def record_trace(
             warm = _NodeRunner(model, capture, index_of, None)
             loss = loss_fn(
                 capture.graph._codegen.process_outputs(
-                    warm.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
+                    warm.run(
+                        *placeholder_values(capture, model, inputs), enable_io_processing=False
+                    )
                 )
             )
             loss.backward()
@@ -472,6 +494,7 @@ class _NodeRunner(CaptureInterpreter):
         self.saved: list[list[Any]] = [[] for _ in range(n)]
         self.graph_outputs: list[Any] = []
         self.on_node: Any = None
+        self.mark_packs = False  # a profiler mark at each save (where recomputes stop)
 
     def run_node(self, n: fx.Node) -> Any:
         i = self.index_of.get(n)
@@ -488,6 +511,9 @@ class _NodeRunner(CaptureInterpreter):
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved.append(self.key(t))
+            if self.mark_packs:
+                with torch.profiler.record_function(f"{_PACK_MARK}{i}"):
+                    pass
             return t
 
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: self.env.get(a))
@@ -535,6 +561,7 @@ def _record_with_profiler(
         return t.untyped_storage().data_ptr()
 
     runner = _NodeRunner(model, capture, index_of, key)
+    runner.mark_packs = True
     # Allocator events of every device come through the CPU activity (the allocators report
     # them from the host); no CUDA tracing is needed.
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -568,6 +595,8 @@ def _record_with_profiler(
             flat.append((event.start_time_ns, order, "node", int(name[len(_NODE_MARK) :])))
         elif name == _LOSS_MARK:
             flat.append((event.start_time_ns, order, "loss", None))
+        elif name.startswith(_PACK_MARK):
+            flat.append((event.start_time_ns, order, "pack", int(name[len(_PACK_MARK) :])))
         elif name.startswith("autograd::engine::evaluate_function"):
             flat.append(
                 (event.start_time_ns, order, "backward", getattr(fields, "sequence_number", -1))
@@ -578,7 +607,12 @@ def _record_with_profiler(
         stack.extend(reversed(event.children))
     flat.sort(key=lambda item: (item[0], item[1]))
 
-    # Pass 1: which node (or the loss) created each autograd sequence number.
+    # Pass 1: which node (or the loss) created each autograd sequence number. An operator
+    # event carries the sequence number autograd will give the *next* node it creates, also
+    # when the operator itself creates none (an op on tensors that need no gradient, such as
+    # the labels an export graph shifts before its loss): that op reports the number the
+    # next differentiable op will take. The creator is therefore the *last* operator in the
+    # forward to report a number (after it, the counter has moved on), not the first.
     seq_owner: dict[int, int] = {}
     owner = None
     for _, _, kind, payload in flat:
@@ -589,7 +623,7 @@ def _record_with_profiler(
         elif kind == "backward":
             break
         elif kind == "op" and owner is not None:
-            seq_owner.setdefault(payload, owner)
+            seq_owner[payload] = owner
 
     # Pass 2: windows and allocation events; pointers resolved to allocation ids.
     windows: list[Window] = []
@@ -599,8 +633,13 @@ def _record_with_profiler(
     history: dict[int, list[tuple[int, int]]] = {}  # ptr -> [(event index, allocation id)]
     current = -1
     in_backward = False
+    last_pack = [-1] * len(index_of)
     for _, _, kind, payload in flat:
         new: Window | None = None
+        if kind == "pack":
+            if not in_backward:
+                last_pack[payload] = len(events)
+            continue
         if kind == "node":
             new = Window(FORWARD, payload)
         elif kind == "loss":
@@ -661,6 +700,7 @@ def _record_with_profiler(
         source="allocator",
         # torch.get_rng_state() is a CPU tensor: it counts where the allocator counted is CPU's
         rng_state_bytes=torch.get_rng_state().nbytes if device.type == "cpu" else 0,
+        last_pack=tuple(last_pack),
     )
 
 

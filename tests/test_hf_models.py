@@ -26,6 +26,7 @@ from autockpt.zoo_hf import HF_HELD_OUT, HF_ZOO  # noqa: E402
 from tests.conftest import assert_same_step, train_step  # noqa: E402
 
 FRACTIONS = (0.1, 0.5, 0.9)
+PREDICTION_TOLERANCE = 0.05
 CLASSICS = ("gpt", "resnet", "unet", "mlp_mixer")
 WITHOUT_DROPOUT = ("hf_resnet", "resnet", "unet", "mlp_mixer")
 FACTORIES = {**HF_ZOO, **HF_HELD_OUT, **{name: ZOO[name] for name in CLASSICS}}
@@ -42,7 +43,7 @@ def _planner(name: str):
 def _check_three_budgets(name: str) -> None:
     """At three budgets across the plannable range: same tensors and names as the user's
     model, loss / outputs / every gradient / every buffer / RNG equal to eager's, measured
-    peak (allocator truth) within the budget, and checkpointing really used at the lowest."""
+    peak (allocator truth) within the budget and within 5% of the prediction, and checkpointing really used at the lowest."""
     model, inputs, planner = _planner(name)
     low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
     assert low < high, f"{name}: no plan saves memory, so the zoo size is wrong"
@@ -56,6 +57,14 @@ def _check_three_budgets(name: str) -> None:
         assert_same_step(expected, got)
         measured = autockpt.measure(fast, inputs, repeat=1)
         assert measured.peak_bytes <= budget, (name, fraction, measured.peak_bytes, budget)
+        # the plan simulator's prediction is the measured peak to within 5%, as on fx
+        predicted = fast.plan.predicted_peak_bytes
+        assert abs(predicted - measured.peak_bytes) <= PREDICTION_TOLERANCE * measured.peak_bytes, (
+            name,
+            fraction,
+            predicted,
+            measured.peak_bytes,
+        )
         if fraction == FRACTIONS[0]:
             assert fast.plan.segments, f"{name}: the tightest budget needs checkpointing"
     if name not in WITHOUT_DROPOUT:
