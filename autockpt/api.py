@@ -185,6 +185,7 @@ class Planner:
         self._stage_floor = minimum_peak(self.chain.problem)
         self._stage_ceiling = no_checkpoint_peak(self.chain)
         self._solutions: dict[tuple[int, str], Solution] = {}
+        self._leanest: Solution | None = None
         self.no_checkpoint_peak_bytes = self.predict([])
         leanest = self._leanest_solution()
         self.minimum_peak_bytes = self.predict(leanest.segments)
@@ -274,7 +275,25 @@ class Planner:
         return self._solutions[key]
 
     def _leanest_solution(self) -> Solution:
-        return self._solve_at(self._stage_floor, "dp", None)
+        """The plan with the least *simulated* peak among a few candidates.
+
+        The stage model's own leanest plan (dp at its floor) need not be the simulator's:
+        where the stage model over-counts a stage it spends segments in the wrong places
+        (measured on a ResNet: 25.35 MiB against 22.64 MiB for sqrt(L) equal segments). So
+        dp plans at eight stage budgets from the floor up, and the sqrt(L) plan, are all
+        replayed, and the lowest peak (then the least recompute) is the stated minimum.
+        """
+        if self._leanest is None:
+            span = self._stage_ceiling - self._stage_floor
+            candidates = [
+                self._solve_at(self._stage_floor + span * k // 16, "dp", None) for k in range(8)
+            ]
+            candidates.append(self._solve_at(self._stage_ceiling, "sqrt", None))
+            self._leanest = min(
+                (c for c in candidates if c.status != "infeasible"),
+                key=lambda c: (self.predict(c.segments), c.recompute_seconds),
+            )
+        return self._leanest
 
     def _search(self, budget_bytes: int, solver: str, time_limit_s: float) -> Solution:
         """The least-recompute solution whose *simulated* peak fits ``budget_bytes``.
