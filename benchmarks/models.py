@@ -41,6 +41,7 @@ from autockpt.measure import measure  # noqa: E402
 from autockpt.runtime import default_loss, tensors_in  # noqa: E402
 from autockpt.trace import Inputs  # noqa: E402
 from autockpt.zoo import ZOO  # noqa: E402
+from benchmarks.budgets import _step_seconds  # noqa: E402
 
 FRACTIONS = (0.1, 0.5, 0.9)
 CLASSICS = ("gpt", "resnet", "unet", "mlp_mixer")
@@ -95,19 +96,6 @@ def _same(expected: dict[str, Any], got: dict[str, Any]) -> bool:
     except (AssertionError, ValueError):
         return False
     return True
-
-
-def _step_seconds(model: torch.nn.Module, inputs: Inputs, repeat: int) -> list[float]:
-    times = []
-    for _ in range(repeat):
-        for p in model.parameters():
-            p.grad = None
-        start = time.perf_counter()
-        default_loss(model(*inputs.args, **inputs.kwargs)).backward()
-        times.append(time.perf_counter() - start)
-    for p in model.parameters():
-        p.grad = None
-    return times
 
 
 def run_model(name: str, group: str, factory: Any, pairs: int = 41) -> dict[str, Any]:
