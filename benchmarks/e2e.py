@@ -643,54 +643,36 @@ def evaluate_targets(cells: list[Cell]) -> list[Target]:
                         )
                     )
                     continue
-                ratio = paired_ratio(mine_cell, other)
-                met = None if ratio is None else ratio <= 1.0
-                note = "" if ratio is not None else _why_missing(mine_cell, other)
-                if (
-                    ratio is not None
-                    and mine_cell.plan is not None
-                    and mine_cell.plan == other.plan
-                ):
-                    met, note = True, "same plan: the ratio is timing noise"
                 out.append(
-                    Target(
-                        model,
-                        method,
-                        f"step <= {peer} at its peak",
-                        mine_cell.budget_label,
-                        ratio,
-                        1.0,
-                        met,
-                        note,
+                    _peer_target(
+                        model, method, f"step <= {peer} at its peak",
+                        mine_cell.budget_label, mine_cell, other,
                     )
                 )
             for peer in ("greedy", "sac_ilp", "rockmate"):
                 for other in (
                     c for c in mine if c.method == peer and c.times and not c.over_budget
                 ):
-                    mine_cell = at(other.budget_label.split("/")[0])
-                    ratio = paired_ratio(mine_cell, other) if mine_cell else None
-                    met = None if ratio is None else ratio <= 1.0
-                    note = "" if ratio is not None else _why_missing(mine_cell, other)
-                    if (
-                        ratio is not None
-                        and mine_cell.plan is not None
-                        and mine_cell.plan == other.plan
-                    ):
-                        met, note = True, "same plan: the ratio is timing noise"
                     out.append(
-                        Target(
-                            model,
-                            method,
-                            f"step <= {peer} where it fits",
-                            other.budget_label,
-                            ratio,
-                            1.0,
-                            met,
-                            note,
+                        _peer_target(
+                            model, method, f"step <= {peer} where it fits",
+                            other.budget_label, at(other.budget_label.split("/")[0]), other,
                         )
                     )
     return out
+
+
+def _peer_target(
+    model: str, method: str, name: str, label: str, mine: Cell | None, other: Cell
+) -> Target:
+    """autockpt's step over a peer's at the same budget must be at most 1.0; the same plan
+    on both sides counts as met (any ratio is then timing noise)."""
+    ratio = paired_ratio(mine, other) if mine else None
+    met = None if ratio is None else ratio <= 1.0
+    note = "" if ratio is not None else _why_missing(mine, other)
+    if ratio is not None and mine.plan is not None and mine.plan == other.plan:
+        met, note = True, "same plan: the ratio is timing noise"
+    return Target(model, method, name, label, ratio, 1.0, met, note)
 
 
 def _why_missing(mine: Cell | None, other: Cell | None) -> str:
