@@ -32,9 +32,9 @@ from autockpt.measure import Measurement, measure
 from autockpt.plan import MemoryBreakdown, MemoryTimeline, Plan, RankMemory, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
 from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
+from autockpt.record import record_trace
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.runtime import LossFn
-from autockpt.simulate import record_trace
 from autockpt.simulate import simulate as simulate_plan
 from autockpt.simulate import timeline as simulate_timeline
 from autockpt.solve import minimum_peak, no_checkpoint_peak

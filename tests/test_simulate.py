@@ -15,8 +15,9 @@ from torch import nn
 import autockpt
 from autockpt.api import Planner
 from autockpt.errors import GIB, InfeasibleBudgetError
+from autockpt.record import record_trace
 from autockpt.rewrite import SegmentSpec, rewrite
-from autockpt.simulate import MemoryTrace, record_trace, simulate
+from autockpt.simulate import MemoryTrace, simulate
 from autockpt.trace import Inputs, capture
 from autockpt.zoo import ZOO
 from benchmarks.memory import HELD_OUT, check_model
