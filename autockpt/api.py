@@ -35,11 +35,11 @@ from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
 from autockpt.record import record_trace
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.runtime import LossFn
-from autockpt.simulate import simulate as simulate_plan
-from autockpt.simulate import timeline as simulate_timeline
 from autockpt.solve import minimum_peak, no_checkpoint_peak
 from autockpt.trace import Capture, Inputs, capture, given_input_names
 from solvers import METHODS, Simulation, Solution, simulate, solve
+from solvers.replay import simulate as simulate_plan
+from solvers.replay import timeline as simulate_timeline
 
 ProgressFn = Callable[[str], None]
 """Called with a short description (``"profiling"``) as each planning stage begins."""
@@ -582,7 +582,7 @@ def _make_plan(
     notes = list(captured.warnings)
     notes.append(
         f"predicted peak: replay of one recorded step's {planner.trace.source} events under "
-        "this plan (autockpt.simulate)"
+        "this plan (solvers.replay)"
     )
     if prof.times_estimated:
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")

@@ -73,7 +73,7 @@ class RankMemory:
 @dataclass(frozen=True)
 class MemoryTimeline:
     """Predicted live bytes at every event of one training step, without checkpointing and
-    with the plan: the plan simulator's replay (``autockpt.simulate.timeline``) folded onto
+    with the plan: the plan simulator's replay (``solvers.replay.timeline``) folded onto
     the chain's events, each event holding the highest bytes reached during it.
 
     Stored in the plan so that ``autockpt show --plot`` can draw the step without the model.

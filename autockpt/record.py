@@ -1,6 +1,6 @@
 """Stage 2b — record: one training step of the captured graph as attributed allocation events.
 
-The plan simulator (:mod:`autockpt.simulate`) replays what this module records. See that
+The plan simulator (:mod:`solvers.replay`) replays what this module records. See that
 module's docstring for why a replay of recorded allocations, and :func:`record_trace` here
 for how a step is recorded.
 """
@@ -28,7 +28,8 @@ from autockpt.runtime import (  # noqa: E402
     preserved_training_state,
     tensors_in,
 )
-from autockpt.simulate import (  # noqa: E402
+from autockpt.trace import Capture, Inputs  # noqa: E402
+from solvers.replay import (  # noqa: E402
     BACKWARD,
     FORWARD,
     LOSS,
@@ -36,7 +37,6 @@ from autockpt.simulate import (  # noqa: E402
     MemoryTrace,
     Window,
 )
-from autockpt.trace import Capture, Inputs  # noqa: E402
 
 __all__ = ["record_trace"]
 

@@ -17,10 +17,10 @@ from autockpt.api import Planner
 from autockpt.errors import GIB, InfeasibleBudgetError
 from autockpt.record import record_trace
 from autockpt.rewrite import SegmentSpec, rewrite
-from autockpt.simulate import MemoryTrace, simulate
 from autockpt.trace import Inputs, capture
 from autockpt.zoo import ZOO
 from benchmarks.memory import HELD_OUT, check_model
+from solvers.replay import MemoryTrace, simulate
 from tests.conftest import assert_same_step, train_step
 
 TOLERANCE = 0.05
