@@ -31,10 +31,10 @@ from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMisma
 from autockpt.measure import Measurement, measure
 from autockpt.plan import MemoryBreakdown, MemoryTimeline, Plan, RankMemory, Segment
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
-from autockpt.profile import Profile, checkpoint_overhead_seconds, profile
+from autockpt.profile import Profile, profile
 from autockpt.record import record_trace
 from autockpt.rewrite import SegmentSpec, rewrite
-from autockpt.runtime import LossFn
+from autockpt.runtime import LossFn, device_of
 from autockpt.solve import minimum_peak, no_checkpoint_peak
 from autockpt.trace import Capture, Inputs, capture, given_input_names
 from solvers import METHODS, Simulation, Solution, simulate, solve
@@ -63,6 +63,7 @@ def optimize(
     world_size: int = 1,
     sharding: str | None = None,
     fsdp_units: Iterable[str] | None = None,
+    plan_rank: int | None = 0,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -84,13 +85,39 @@ def optimize(
     afterwards: ``DDP(result)``, or ``fully_shard`` on each of ``result.plan.fsdp_units``
     (default: the repeated blocks, e.g. transformer layers; they stay module calls and
     checkpoint segments hold whole units) and then on ``result``.
+
+    Under ``torch.distributed`` (initialised, several ranks) every rank may call
+    ``optimize`` (the ``torchrun`` pattern): rank ``plan_rank`` alone profiles and solves,
+    and every rank applies its plan, so all ranks checkpoint the same segments (ranks that
+    planned apart, from their own measured times, could checkpoint different FSDP units and
+    hang). Every rank must pass the same arguments; a failure on any rank is raised on all.
+    ``plan_rank=None`` plans on each rank separately. See
+    :func:`autockpt.distributed.plan_on_one_rank`.
     """
-    planner = Planner(
-        model, example_inputs, scope=scope, loss_fn=loss_fn, leaf_modules=leaf_modules,
-        calibrate=verify, max_stages=max_stages, world_size=world_size, sharding=sharding,
-        fsdp_units=fsdp_units,
+    from autockpt.distributed import PlanRequest, plan_on_one_rank
+
+    def plan_here() -> nn.Module:
+        planner = Planner(
+            model,
+            example_inputs,
+            scope=scope,
+            loss_fn=loss_fn,
+            leaf_modules=leaf_modules,
+            max_stages=max_stages,
+            world_size=world_size,
+            sharding=sharding,
+            fsdp_units=fsdp_units,
+        )
+        return planner.optimize(
+            budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify
+        )
+
+    return plan_on_one_rank(
+        plan_here,
+        lambda plan: apply(model, plan, example_inputs),
+        PlanRequest(budget_gb, world_size, sharding, scope),
+        plan_rank=plan_rank,
     )
-    return planner.optimize(budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify)
 
 
 class Planner:
@@ -109,7 +136,6 @@ class Planner:
         scope: str = "total",
         loss_fn: LossFn | None = None,
         leaf_modules: Iterable[str] = (),
-        calibrate: bool = True,
         max_stages: int = DEFAULT_MAX_STAGES,
         world_size: int = 1,
         sharding: str | None = None,
@@ -125,6 +151,8 @@ class Planner:
         self.inputs = Inputs.of(example_inputs)
         self.scope = scope
         self.loss_fn = loss_fn
+        device = device_of(model, self.inputs)
+        planning = _PlanningPeak(device)
         # FSDP units are leaves: they stay module calls, so fully_shard's hooks fire and
         # checkpoint segments hold whole units (autockpt.distributed explains why).
         given_leaves = tuple(leaf_modules)
@@ -132,18 +160,18 @@ class Planner:
         self.progress("capturing the graph")
         self.capture = capture(model, self.inputs, leaf_modules=leaves)
         check_units_called(self.capture, self.sharding.units)
-        self.progress("profiling")
+        # Planning fits where the plan fits: sizes come from a step on fake tensors, kernel
+        # workspaces and times from a probe that runs one node at a time on the device
+        # (autockpt/profile.py notes 1-3); the un-checkpointed step never runs for real.
+        self.progress("profiling (fake tensors, then node by node on the device)")
         self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
         # On the meta device tensors have shapes and no data: plan from the graph alone
-        # (FLOP-estimated times, storage-level memory), nothing to measure or verify.
+        # (cost-model times, no workspaces), nothing to measure or verify.
         self.meta = self.profile.device == "meta"
-        calibrate = calibrate and not self.meta
         chain = build_chain(
             self.capture, self.profile, max_stages=max_stages,
             static_bytes=0 if scope == "activations" else None,
-            segment_overhead_seconds=(
-                0.0 if self.meta else checkpoint_overhead_seconds(torch.device(self.profile.device))
-            ),
+            segment_overhead_seconds=self.profile.segment_overhead_seconds,
         )
         if scope == "activations":
             zeros = tuple(0 for _ in chain.problem.param_grad_bytes)
@@ -151,24 +179,17 @@ class Planner:
                 chain, problem=dataclasses.replace(chain.problem, param_grad_bytes=zeros)
             )
         self.chain = chain
-        # The plan simulator: one eager step's allocations, replayed under each plan.
-        self.progress("recording one step for the plan simulator")
-        self.trace = record_trace(model, self.capture, self.inputs, loss_fn=loss_fn)
-        if calibrate:
-            self.progress("measuring the unmodified model")
-        self.eager = measure(model, self.inputs, loss_fn=loss_fn, repeat=3) if calibrate else None
-        self.calibration = 0
-        if self.eager is not None:
-            # Calibrate against what every plan becomes (the captured graph, rewritten without
-            # checkpoints), not the user's module: an export graph lifts tensors the user's
-            # forward makes on every call (Swin's shifted-window attention mask) into
-            # constants, so the user's own step allocates bytes no rewritten step does.
-            unplanned = measure(
-                rewrite(model, self.capture, []), self.inputs, loss_fn=loss_fn, repeat=1
-            )
-            self.calibration = max(
-                0, unplanned.peak_bytes - simulate_plan(self.trace, []).peak_bytes
-            )
+        # The plan simulator: one step's allocations (fake tensors plus measured workspaces),
+        # replayed under each plan.
+        self.progress("recording one step on fake tensors for the plan simulator")
+        nodes = self.profile.nodes
+        self.trace = record_trace(
+            model, self.capture, self.inputs, loss_fn=loss_fn,
+            forward_workspace={i: node.forward_workspace for i, node in enumerate(nodes)},
+            backward_workspace={i: node.backward_workspace for i, node in enumerate(nodes)},
+            loss_workspace=self.profile.loss_workspace,
+            hidden_saved={i: node.hidden_saved for i, node in enumerate(nodes)},
+        )
         # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not
         # the activations: the stage model gets the per-rank terms, and each simulated
         # single-process peak is moved to a rank by the stage model's difference.
@@ -189,21 +210,14 @@ class Planner:
         self.no_checkpoint_peak_bytes = self.predict([])
         leanest = self._leanest_solution()
         self.minimum_peak_bytes = self.predict(leanest.segments)
-        # The stated minimum is a promise too: when calibrating, the leanest plan is also
-        # measured once, and the minimum is whichever of prediction and measurement is higher.
-        self._leanest_measured: int | None = None
-        if self.eager is not None and leanest.segments:
-            specs = _segment_specs(self.chain, self.profile, self.capture, leanest)
-            lean = measure(rewrite(model, self.capture, specs), self.inputs, loss_fn=loss_fn, repeat=1)
-            self._leanest_measured = self._used(lean) + self._rank_shift(leanest.segments)
-            self.minimum_peak_bytes = max(self.minimum_peak_bytes, self._leanest_measured)
         self.breakdown = _breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
         if self.rank_memory is not None and scope == "total":
             self.breakdown = _rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
+        self.planning_peak_bytes = planning.peak(self.profile)
 
     def predict(self, segments: Sequence[tuple[int, int]]) -> int:
         """Predicted peak (in the planner's scope, per rank when sharded) of a plan given as
-        stage ranges: the simulator's replay plus the calibration offset."""
+        stage ranges: the plan simulator's replay of the recorded step."""
         node_ranges, random = self._node_ranges(segments)
         return self._scoped(simulate_plan(self.trace, node_ranges, random).peak_bytes, segments)
 
@@ -258,9 +272,9 @@ class Planner:
         return node_ranges, random
 
     def _scoped(self, simulated_bytes: int, segments: Sequence[tuple[int, int]]) -> int:
-        """A simulated single-process byte count as the planner's scope counts it: plus the
-        calibration, per rank when sharded, or above the static part for "activations"."""
-        total = simulated_bytes + self.calibration
+        """A simulated single-process byte count as the planner's scope counts it: per rank
+        when sharded, or above the static part for "activations"."""
+        total = simulated_bytes
         if self.scope == "total":
             return total + self._rank_shift(segments)
         return total - self.profile.static_bytes - self.profile.param_grad_bytes
@@ -355,16 +369,15 @@ class Planner:
             except InfeasibleBudgetError as error:
                 if not underestimate:
                     raise
-                if self._leanest_measured is None or self._leanest_measured > budget_bytes:
-                    raise self._measured_infeasible(budget_bytes, underestimate) from error
-                # Tightening ruled out every cheaper plan; the leanest one was measured to fit.
-                solution = self._leanest_solution()
+                raise self._measured_infeasible(budget_bytes, underestimate) from error
             specs = _segment_specs(self.chain, self.profile, self.capture, solution)
             result = rewrite(self.model, self.capture, specs)
             if not verify:
                 break
+            # The plan's own step fits by construction: measuring it is the only real step
+            # planning runs (the probe already warmed every kernel up).
             self.progress("measuring the plan")
-            checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=3)
+            checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=1, warmup=0)
             used = self._used(checked) + self._rank_shift(solution.segments)
             if used <= budget_bytes:
                 break
@@ -379,8 +392,9 @@ class Planner:
 
     @property
     def step_seconds(self) -> float:
-        """Step time of the unmodified model: measured when calibrated, else profiled."""
-        return self.eager.step_seconds if self.eager is not None else self.profile.step_seconds
+        """Step time of the unmodified model as the probe measured it node by node (the
+        cost model's on the meta device)."""
+        return self.profile.step_seconds
 
     def solve(self, budget_bytes: int, *, solver: str = "dp", time_limit_s: float = 30.0) -> Solution:
         """The least-recompute plan whose simulated peak fits ``budget_bytes``, without
@@ -389,11 +403,24 @@ class Planner:
         return self._search(int(budget_bytes), solver, time_limit_s)
 
     def simulate(self, segments: Sequence[tuple[int, int]]) -> Simulation:
-        """The prediction for checkpointing the given stage ranges: recompute time from the
-        chain model, peak from the plan simulator (:meth:`predict`)."""
+        """The prediction for checkpointing the given stage ranges: peak from the plan
+        simulator (:meth:`predict`), recompute seconds from :meth:`recompute_seconds`."""
         return dataclasses.replace(
-            simulate(self.chain.problem, segments), peak_bytes=self.predict(segments)
+            simulate(self.chain.problem, segments), peak_bytes=self.predict(segments),
+            recompute_seconds=self.recompute_seconds(segments),
         )
+
+    def recompute_seconds(self, segments: Sequence[tuple[int, int]]) -> float:
+        """Seconds a plan adds to a step: the measured forward seconds of the nodes it
+        recomputes plus the fixed cost per segment (the cost model's where nothing was
+        measured). The solvers rank plans by the cost model instead (profile.py, note 3)."""
+        nodes = self.profile.nodes
+        seconds = sum(
+            nodes[i].forward_seconds
+            for first, stop in self._node_ranges(segments)[0]
+            for i in range(first, stop)
+        )
+        return seconds + self.profile.segment_overhead_seconds * len(segments)
 
     def rewrite(self, segments: Sequence[tuple[int, int]]) -> nn.Module:
         """The model rewritten to checkpoint the given stage ranges (no solving, no check)."""
@@ -489,6 +516,25 @@ def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module
 # ---------------------------------------------------------------------------------------------
 
 
+class _PlanningPeak:
+    """What planning itself allocates at most (reported in the plan's notes): on CUDA the
+    device allocator's own peak over planning; elsewhere the allocator's peak while the
+    profile's probe ran (the only real tensors planning makes; the rest runs on fake
+    tensors)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device if device.type == "cuda" else None
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+
+    def peak(self, prof: Profile) -> int | None:
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            return torch.cuda.max_memory_allocated(self.cuda)
+        return prof.probe_peak_bytes
+
+
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -557,10 +603,9 @@ def _make_plan(
     model, captured, inputs, prof, chain = (
         planner.model, planner.capture, planner.inputs, planner.profile, planner.chain
     )
-    eager = planner.eager
     problem = chain.problem
     names = chain.node_names
-    simulation = simulate(problem, solution.segments)
+    recompute = planner.recompute_seconds(solution.segments)
     segments = []
     for (start, end), spec in zip(solution.segments, specs, strict=True):
         saved = sum(problem.saved_bytes[start:end])
@@ -569,7 +614,7 @@ def _make_plan(
             end_stage=end,
             first_node=names[spec.first],
             last_node=names[spec.end - 1],
-            recompute_seconds=sum(problem.forward_seconds[start:end]),
+            recompute_seconds=planner.recompute_seconds([(start, end)]),
             bytes_freed=saved - problem.input_bytes[start],
             preserve_rng=spec.preserve_rng,
             restore_buffers=spec.restore_buffers,
@@ -577,8 +622,7 @@ def _make_plan(
     in_segment = {k for start, end in solution.segments for k in range(start, end)}
     kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
     kept += sum(problem.input_bytes[start] for start, _ in solution.segments)
-    step = (eager.step_seconds if eager is not None else prof.step_seconds)
-    step_with = step + simulation.recompute_seconds
+    step_with = prof.step_seconds + recompute
     notes = list(captured.warnings)
     notes.append(
         f"predicted peak: replay of one recorded step's {planner.trace.source} events under "
@@ -586,6 +630,13 @@ def _make_plan(
     )
     if prof.times_estimated:
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
+    else:
+        notes.append(
+            "segments chosen by a cost model of FLOPs and bytes (deterministic); seconds "
+            "reported are measured node by node"
+        )
+    if planner.planning_peak_bytes is not None:
+        notes.append(f"planning peak: {planner.planning_peak_bytes} bytes (allocator)")
     measured_peak = checked.peak_bytes if checked is not None else None
     if planner.sharding.active and checked is not None:
         # The measured step ran unsharded in this process: not a per-rank number.
@@ -600,8 +651,6 @@ def _make_plan(
             f"per-rank safety margin: +{RANK_MARGIN_BYTES} bytes for the process group's own "
             "small tensors (autockpt.distributed.RANK_MARGIN_BYTES)"
         )
-    if planner.calibration:
-        notes.append(f"calibrated: +{planner.calibration} bytes the recorded step does not see")
     return Plan(
         model=type(model).__name__,
         graph_fingerprint=captured.fingerprint(),
@@ -621,9 +670,9 @@ def _make_plan(
         predicted_peak_bytes=planner.predict(solution.segments),
         no_checkpoint_peak_bytes=planner.no_checkpoint_peak_bytes,
         minimum_peak_bytes=planner.minimum_peak_bytes,
-        predicted_recompute_seconds=simulation.recompute_seconds,
+        predicted_recompute_seconds=recompute,
         predicted_step_seconds=step_with,
-        recompute_fraction=simulation.recompute_seconds / step_with if step_with > 0 else 0.0,
+        recompute_fraction=recompute / step_with if step_with > 0 else 0.0,
         memory=MemoryBreakdown(
             parameters=prof.param_bytes,
             gradients=prof.param_grad_bytes,
@@ -632,7 +681,7 @@ def _make_plan(
             kept_activations=kept,
             no_checkpoint_activations=sum(problem.saved_bytes),
         ),
-        calibration_bytes=planner.calibration,
+        calibration_bytes=0,
         times_estimated=prof.times_estimated,
         measured_peak_bytes=measured_peak,
         measured_step_seconds=checked.step_seconds if checked is not None else None,

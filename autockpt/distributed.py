@@ -45,11 +45,19 @@ Design (and why):
   missed (measured minus predicted) to the per-rank prediction, on the assumption that
   workspaces and autograd buffers do not depend on sharding. :func:`measure_rank` is the
   real per-rank truth, used by the tests and ``benchmarks/distributed.py``.
+* **One rank plans; every rank applies its plan.** When every rank of a process group
+  calls ``optimize`` (the ``torchrun`` pattern), :func:`plan_on_one_rank` lets rank 0 plan
+  and broadcasts the plan; the others only apply it. Planning is deterministic given its
+  measurements, but the measurements (step times, on other machines, under other loads)
+  are not, and two ranks whose FSDP2 units are checkpointed differently issue different
+  collectives and wait on each other for ever.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -59,8 +67,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.blocks import find_repeated_blocks
 from autockpt.errors import ShardingError
-from autockpt.plan import RankMemory
+from autockpt.plan import Plan, RankMemory
 from autockpt.runtime import LossFn, clear_grads, default_loss
 from autockpt.trace import Capture, Inputs
 from solvers import ChainProblem
@@ -116,32 +125,18 @@ def resolve_sharding(
 
 
 def detect_units(model: nn.Module) -> tuple[str, ...]:
-    """The repeated blocks of ``model``: the children of the ``ModuleList`` (or
-    ``Sequential``) of same-class modules holding the most parameters, e.g. the transformer
-    layers. Raises :class:`ShardingError` when there is none."""
-    best: tuple[int, int, str] | None = None
-    best_children: list[str] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
-            continue
-        children = list(module.named_children())
-        if len({type(child) for _, child in children}) != 1:
-            continue
-        if not any(True for _ in module.parameters()):
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        key = (size, len(children), name)
-        if best is None or key[:2] > best[:2]:
-            best = key
-            prefix = f"{name}." if name else ""
-            best_children = [f"{prefix}{child}" for child, _ in children]
-    if best is None:
+    """The repeated blocks of ``model`` (:func:`autockpt.blocks.find_repeated_blocks`: the
+    children of the ``ModuleList`` or ``Sequential`` of same-class modules holding the most
+    parameters, e.g. the transformer layers), the same blocks the chain keeps cuts around.
+    Raises :class:`ShardingError` when there is none."""
+    blocks = find_repeated_blocks(model)
+    if blocks is None:
         raise ShardingError(
             f"found no repeated blocks (a ModuleList of same-class modules) in "
             f"{type(model).__name__} to use as FSDP units; pass fsdp_units=[...] naming the "
             "modules to shard one by one (or fsdp_units=[] to shard the root only)"
         )
-    return tuple(best_children)
+    return blocks.children
 
 
 def _check_units(model: nn.Module, units: tuple[str, ...]) -> None:
@@ -575,10 +570,10 @@ def _measure_cpu(
     session: Callable[[], Any],
     warmup: int,
 ) -> tuple[int, int, nn.Module, Inputs]:
-    from autockpt.measure import _quiet_native_stderr
+    from autockpt.allocations import quiet_native_stderr
 
     setup = session()
-    with _quiet_native_stderr():
+    with quiet_native_stderr():
         setup.start()
     try:
         model, raw = build()
@@ -587,19 +582,232 @@ def _measure_cpu(
             step(model, inputs)
             clear_grads(model)
     finally:
-        with _quiet_native_stderr():
+        with quiet_native_stderr():
             setup.stop()
     ledger = _AllocationLedger()
     ledger.replay(setup)
     resident = ledger.current
     measured = session()
-    with _quiet_native_stderr():
+    with quiet_native_stderr():
         measured.start()
     try:
         step(model, inputs)
     finally:
-        with _quiet_native_stderr():
+        with quiet_native_stderr():
             measured.stop()
     peak = ledger.replay(measured)
     clear_grads(model)
     return peak, resident, model, inputs
+
+
+# ---------------------------------------------------------------------------------------------
+# one plan for every rank
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The arguments of ``optimize`` that a rank's plan must honour. One rank's plan serves
+    every rank, so every rank must ask for the same: the receivers check theirs against the
+    planning rank's."""
+
+    budget_gb: float
+    world_size: int
+    sharding: str | None
+    scope: str
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What the planning rank broadcasts on success: the plan as JSON (the plan's own
+    validated exchange format, parsed like a saved plan file) and what it was asked for."""
+
+    plan_json: str
+    request: PlanRequest
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """An exception raised on one rank, in a form every other rank can raise again: its class
+    (by import path), ``args`` and attributes (``InfeasibleBudgetError`` keeps its minimum and
+    breakdown there). Exceptions are not sent as pickles because a class whose ``__init__``
+    takes other arguments than its message, like ``InfeasibleBudgetError``, cannot be
+    unpickled."""
+
+    rank: int
+    doing: str
+    module: str
+    qualname: str
+    args: tuple[Any, ...]
+    attributes: dict[str, Any]
+    message: str
+
+    @classmethod
+    def of(cls, error: BaseException, rank: int, doing: str) -> _Failure:
+        kind = type(error)
+        args = error.args if _picklable(error.args) else (str(error),)
+        attributes = {k: v for k, v in vars(error).items() if _picklable(v)}
+        return cls(rank, doing, kind.__module__, kind.__qualname__, args, attributes, str(error))
+
+    def rebuild(self) -> BaseException:
+        """The same exception (class, message, attributes), without running its
+        ``__init__``; a class this process cannot import becomes a ``RuntimeError``."""
+        error: BaseException | None = None
+        kind = _exception_class(self.module, self.qualname)
+        if kind is not None:
+            try:
+                error = kind.__new__(kind, *self.args)
+                error.args = self.args
+                error.__dict__.update(self.attributes)
+            except Exception:
+                error = None
+        if error is None:
+            error = RuntimeError(f"{self.module}.{self.qualname}: {self.message}")
+        note = (
+            f"raised on rank {self.rank} while {self.doing}; every rank raises it, so that "
+            "none waits for the others in a collective"
+        )
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(note)
+        return error
+
+
+def plan_on_one_rank(
+    plan_here: Callable[[], nn.Module],
+    apply_plan: Callable[[Plan], nn.Module],
+    request: PlanRequest,
+    *,
+    plan_rank: int | None = 0,
+) -> nn.Module:
+    """Plan on one rank of the default process group and apply that plan on every rank.
+
+    ``plan_here()`` profiles, solves and returns the rewritten model (with ``.plan``);
+    ``apply_plan(plan)`` re-applies a plan without profiling or solving. Outside
+    ``torch.distributed`` (not initialised, or one rank) this is ``plan_here()``.
+
+    In a group of several ranks, rank ``plan_rank`` calls ``plan_here()`` and broadcasts the
+    plan's JSON; every other rank checks that it asked for the same (:class:`PlanRequest`;
+    :class:`ShardingError` otherwise) and calls ``apply_plan``. Why: planning is
+    deterministic given its measurements, but step times are measured, and they differ from
+    rank to rank (noise, other machines, other loads); two ranks that checkpoint different
+    FSDP2 units issue different collectives and wait on each other for ever (one
+    all-gathers for a recompute while the other reduce-scatters). One plan makes the ranks
+    agree by construction.
+
+    No rank is left waiting on a failure: an exception while planning is broadcast instead
+    of the plan, and one while applying (a rank whose model or batch shapes differ) is
+    gathered from every rank; then every rank raises it (same class, message and
+    attributes; the others' copy notes the rank it came from).
+
+    ``world_size`` (with a ``sharding``) must not exceed the group's size and must divide
+    it: a smaller one is a sub-mesh (HSDP's shard group, FSDP beside tensor parallelism) and
+    is conservative for FSDP over the whole group; a larger one would under-count each
+    rank's shard, so it is a :class:`ShardingError`. ``plan_rank=None`` lets every rank plan
+    on its own (ranks that train separate models); plans may then differ.
+
+    Every rank must pass the same ``plan_rank``. The others wait in a collective while the
+    planning rank works, so the process group's timeout must exceed the planning time.
+    """
+    size = _group_size()
+    if size <= 1:
+        return plan_here()
+    if plan_rank is None:
+        _check_world_size(request, size)
+        return plan_here()
+    if isinstance(plan_rank, bool) or not isinstance(plan_rank, int) or not 0 <= plan_rank < size:
+        raise ShardingError(
+            f"plan_rank must be a rank of the process group (0 to {size - 1}) or None, got "
+            f"{plan_rank!r}"
+        )
+    dist = torch.distributed
+    rank = dist.get_rank()
+    result: nn.Module | None = None
+    own_error: Exception | None = None
+    if rank == plan_rank:
+        try:
+            _check_world_size(request, size)
+            result = plan_here()
+            payload: _Planned | _Failure = _Planned(result.plan.to_json(), request)
+        except Exception as error:
+            _broadcast(_Failure.of(error, rank, "planning"), plan_rank)
+            raise
+        _broadcast(payload, plan_rank)
+    else:
+        payload = _broadcast(None, plan_rank)
+        if isinstance(payload, _Failure):
+            raise payload.rebuild()
+        try:
+            _check_same_request(request, payload.request, rank, plan_rank)
+            result = apply_plan(Plan.from_json(payload.plan_json))
+        except Exception as error:
+            own_error = error
+    outcome = None
+    if own_error is not None:
+        outcome = _Failure.of(own_error, rank, f"applying the plan of rank {plan_rank}")
+    outcomes: list[_Failure | None] = [None] * size
+    dist.all_gather_object(outcomes, outcome)
+    if own_error is not None:
+        raise own_error
+    failures = [failure for failure in outcomes if failure is not None]
+    if failures:
+        raise failures[0].rebuild()
+    assert result is not None
+    return result
+
+
+def _group_size() -> int:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size()
+
+
+def _broadcast(payload: Any, src: int) -> Any:
+    box = [payload]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _check_world_size(request: PlanRequest, size: int) -> None:
+    world_size = request.world_size
+    if request.sharding is None or isinstance(world_size, bool) or not isinstance(world_size, int):
+        return  # one process's plan, or a bad argument that resolve_sharding reports
+    if world_size >= 1 and (world_size > size or size % world_size):
+        raise ShardingError(
+            f"world_size={world_size} does not fit the process group of {size} ranks: it is "
+            f"the number of ranks that share the model under sharding={request.sharding!r}. "
+            f"Pass world_size={size}, or a divisor of it for a sub-mesh (HSDP's shard group)."
+        )
+
+
+def _check_same_request(mine: PlanRequest, planned: PlanRequest, rank: int, src: int) -> None:
+    differ = [
+        f"{f.name}={getattr(mine, f.name)!r} here, {getattr(planned, f.name)!r} on rank {src}"
+        for f in dataclasses.fields(PlanRequest)
+        if getattr(mine, f.name) != getattr(planned, f.name)
+    ]
+    if differ:
+        raise ShardingError(
+            f"rank {rank} asked optimize for another plan than rank {src}, which plans for "
+            f"every rank: {'; '.join(differ)}. Pass the same arguments on every rank (or "
+            "plan_rank=None to plan on each rank separately)."
+        )
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
+
+
+def _exception_class(module: str, qualname: str) -> type[BaseException] | None:
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    if isinstance(found, type) and issubclass(found, BaseException):
+        return found
+    return None

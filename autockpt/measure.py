@@ -17,11 +17,8 @@ Step time is the median of ``repeat`` un-instrumented steps. The model's state (
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +27,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from autockpt.allocations import quiet_native_stderr  # noqa: E402
 from autockpt.runtime import (  # noqa: E402
     LossFn,
     clear_grads,
@@ -117,15 +115,16 @@ def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) ->
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_native_stderr():
+    with quiet_native_stderr():
         prof.start()
     try:
         _step(model, inputs, loss_fn)
     finally:
-        with _quiet_native_stderr():
+        with quiet_native_stderr():
             prof.stop()
     events = [
-        e for e in prof.profiler.kineto_results.events()
+        e
+        for e in prof.profiler.kineto_results.events()
         if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
     ]
     events.sort(key=lambda e: e.start_ns())
@@ -136,22 +135,9 @@ def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) ->
     return static + peak
 
 
-@contextlib.contextmanager
-def _quiet_native_stderr() -> Iterator[None]:
-    """Silence the profiler's native start/stop chatter, which is written straight to file
-    descriptor 2 (no Python logging switch reaches it)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _cuda_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, device: torch.device, static: int) -> int:
+def _cuda_peak(
+    model: nn.Module, inputs: Inputs, loss_fn: LossFn, device: torch.device, static: int
+) -> int:
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -13,7 +13,9 @@ numbers: the solvers never see torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch.fx as fx
 
@@ -24,6 +26,23 @@ from solvers import ChainProblem
 DEFAULT_MAX_STAGES = 160
 
 
+class NodeRange(NamedTuple):
+    """Compute-node indices ``[first, stop)``: what the rewrite checkpoints and the plan
+    simulator replays. A tuple, so ``first, stop = r`` keeps working."""
+
+    first: int
+    stop: int
+
+
+class StageRange(NamedTuple):
+    """Stage indices ``[start, end)`` of a :class:`Chain`: what the solvers return as a
+    segment. Distinct from :class:`NodeRange` so the two are never mixed up silently in
+    signatures; :meth:`Chain.node_range` converts."""
+
+    start: int
+    end: int
+
+
 @dataclass(frozen=True)
 class Chain:
     """Stages as half-open ranges of compute-node indices, and the numbers the solver uses.
@@ -32,18 +51,32 @@ class Chain:
     :meth:`ChainProblem.with_budget` sets the real one.
     """
 
-    stages: tuple[tuple[int, int], ...]
+    stages: tuple[NodeRange, ...]
     node_names: tuple[str, ...]
     problem: ChainProblem
-    boundary_storages: tuple[frozenset[int], ...]
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def node_range(self, start_stage: int, end_stage: int) -> tuple[int, int]:
+    def node_range(self, start_stage: int, end_stage: int) -> NodeRange:
         """Compute-node index range covered by stages ``[start_stage, end_stage)``."""
-        return self.stages[start_stage][0], self.stages[end_stage - 1][1]
+        return NodeRange(self.stages[start_stage].first, self.stages[end_stage - 1].stop)
+
+    def stage_ranges_for(self, node_ranges: Sequence[tuple[int, int]]) -> tuple[StageRange, ...] | None:
+        """The stage ranges covering exactly ``node_ranges`` (one each, same order), or
+        ``None`` when a range boundary is not a stage boundary (not a cut of this chain).
+        This is how a plan given by node ranges (checkpoint each block) enters the
+        solvers' stage space."""
+        start_of = {stage.first: k for k, stage in enumerate(self.stages)}
+        end_of = {stage.stop: k + 1 for k, stage in enumerate(self.stages)}
+        found = []
+        for first, stop in node_ranges:
+            start, end = start_of.get(first), end_of.get(stop)
+            if start is None or end is None or start >= end:
+                return None
+            found.append(StageRange(start, end))
+        return tuple(found)
 
 
 def build_chain(
@@ -53,10 +86,16 @@ def build_chain(
     max_stages: int = DEFAULT_MAX_STAGES,
     static_bytes: int | None = None,
     segment_overhead_seconds: float = 0.0,
+    required_cuts: Sequence[int] = (),
 ) -> Chain:
     """Choose cuts and fold per-node costs into per-stage numbers.
 
     ``static_bytes`` overrides the static part (e.g. 0 for ``scope="activations"``).
+    ``required_cuts`` (positions ``p`` between compute nodes ``p-1`` and ``p``, e.g.
+    :func:`autockpt.blocks.block_cut_positions`) are kept whenever they are valid, even
+    past ``max_stages``; the remaining stage budget goes to the cheapest other cuts. A
+    required cut that the in-place rule forbids is left out; :meth:`Chain.stage_ranges_for`
+    then reports the node ranges it bounds as not expressible.
     """
     nodes = capture.compute_nodes()
     n = len(nodes)
@@ -68,9 +107,9 @@ def build_chain(
     last_use = _last_uses(nodes, index_of, n)
     crossing = _crossing_storages(profile, last_use, n)
     valid = _valid_cuts(profile, n)
-    cuts = _choose_cuts(valid, crossing, profile.storage_bytes, max_stages)
+    cuts = _choose_cuts(valid, crossing, profile.storage_bytes, max_stages, required_cuts)
     bounds = [0, *cuts, n]
-    stages = tuple((bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1))
+    stages = tuple(NodeRange(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1))
     size = profile.storage_bytes
 
     def nbytes(storages: set[int] | frozenset[int]) -> int:
@@ -84,7 +123,8 @@ def build_chain(
         out_boundary = crossing[end] if end < n else set()
         saved.append(nbytes(owned[k]))
         inputs.append(nbytes(boundary[k]))
-        fwd.append(sum(profile.nodes[i].forward_seconds for i in range(start, end)))
+        # the cost model (deterministic), not measured seconds: see autockpt/profile.py note 3
+        fwd.append(sum(profile.nodes[i].cost_seconds for i in range(start, end)))
         bwd.append(sum(profile.nodes[i].backward_seconds for i in range(start, end)))
         grads.append(sum(profile.nodes[i].param_grad_bytes for i in range(start, end)))
         transient.append(
@@ -105,7 +145,7 @@ def build_chain(
         transient_bytes=transient,
         segment_overhead_seconds=segment_overhead_seconds,
     )
-    return Chain(stages, tuple(node.name for node in nodes), problem, boundary)
+    return Chain(stages, tuple(node.name for node in nodes), problem)
 
 
 def _attribute_saved(
@@ -179,14 +219,25 @@ def _valid_cuts(profile: Profile, n: int) -> list[int]:
     return [p for p in range(1, n) if not forbidden[p]]
 
 
-def _choose_cuts(valid: list[int], crossing: list[set[int]], size: tuple[int, ...], max_stages: int) -> list[int]:
-    """Keep the ``max_stages - 1`` cheapest valid cuts (fewest crossing bytes), ties broken
-    towards evenly spread positions; the solver decides which of them to use."""
-    if len(valid) <= max_stages - 1:
+def _choose_cuts(
+    valid: list[int],
+    crossing: list[set[int]],
+    size: tuple[int, ...],
+    max_stages: int,
+    required: Sequence[int] = (),
+) -> list[int]:
+    """Keep the valid ``required`` cuts, then the cheapest other valid cuts (fewest crossing
+    bytes, ties towards earlier positions) up to ``max_stages - 1`` cuts in all; the solver
+    decides which of them to use. Required cuts are never dropped for the cap: a plan
+    space without them cannot express the plan they stand for (checkpoint each block)."""
+    kept = set(required) & set(valid)
+    room = max_stages - 1 - len(kept)
+    others = [p for p in valid if p not in kept]
+    if len(others) <= room:
         return valid
-    cost = {p: sum(size[s] for s in crossing[p]) for p in valid}
-    ranked = sorted(valid, key=lambda p: (cost[p], p))
-    return sorted(ranked[: max_stages - 1])
+    cost = {p: sum(size[s] for s in crossing[p]) for p in others}
+    ranked = sorted(others, key=lambda p: (cost[p], p))
+    return sorted([*kept, *ranked[: max(room, 0)]])
 
 
 def _stage_transient(

@@ -22,21 +22,32 @@ bumping version counters, so values are the only reliable witness. The model's s
 from __future__ import annotations
 
 import contextlib
-import statistics
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from autockpt.allocations import (
+    StorageTracker,
+    allocator_events,
+    marks,
+    peak_above_start,
+    profiler_session,
+    static_tensor_bytes,
+)
 from autockpt.runtime import (
     LossFn,
-    clear_grads,
     default_loss,
     device_of,
+    fake_step,
+    is_fake,
     now,
     preserved_training_state,
     tensors_in,
@@ -47,7 +58,13 @@ from autockpt.trace import Capture, Inputs
 @dataclass(frozen=True)
 class NodeProfile:
     """What one compute node of the graph costs. Storages are indices into
-    :attr:`Profile.storage_bytes`."""
+    :attr:`Profile.storage_bytes`.
+
+    ``cost_seconds`` is the node's forward cost as the solvers see it: a deterministic
+    function of its FLOPs and bytes (note 3), so that the same graph gives the same plan in
+    every process. ``forward_seconds``/``backward_seconds`` are measured on the device
+    (note 2) and used to report times. ``forward_workspace``/``backward_workspace`` are the
+    bytes its kernels allocate beyond the tensors its operators return."""
 
     name: str
     op: str
@@ -59,11 +76,20 @@ class NodeProfile:
     flops: int
     random: bool
     param_grad_bytes: int
+    cost_seconds: float = 0.0
+    forward_workspace: int = 0
+    backward_workspace: int = 0
+    hidden_saved: int = 0
+    """Bytes the node's forward leaves allocated beyond what its operators return (a scalar
+    autograd wraps and saves): they live until its backward, like a saved tensor."""
 
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-node costs plus the static memory of one training step of the captured graph."""
+    """Per-node costs plus the static memory of one training step of the captured graph.
+
+    ``probe_peak_bytes`` is the highest the allocator reached while the probe ran (static
+    part included; ``None`` on the meta device): what profiling itself needed."""
 
     nodes: tuple[NodeProfile, ...]
     storage_bytes: tuple[int, ...]
@@ -76,6 +102,8 @@ class Profile:
     device: str
     step_seconds: float
     times_estimated: bool = False
+    loss_workspace: int = 0
+    probe_peak_bytes: int | None = None
 
     @property
     def static_bytes(self) -> int:
@@ -86,6 +114,13 @@ class Profile:
     def saved_bytes(self) -> int:
         unique = {s for node in self.nodes for s in node.saved}
         return sum(self.storage_bytes[s] for s in unique)
+
+    @property
+    def segment_overhead_seconds(self) -> float:
+        """Fixed cost of one checkpoint segment, in the units of ``cost_seconds``."""
+        return SEGMENT_OVERHEAD_SECONDS.get(
+            self.device.split(":")[0], SEGMENT_OVERHEAD_SECONDS["cuda"]
+        )
 
 
 def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> list[Any]:
@@ -111,7 +146,9 @@ def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> li
     return values
 
 
-def run_graph(capture: Capture, model: nn.Module, inputs: Inputs, interpreter: fx.Interpreter | None = None) -> Any:
+def run_graph(
+    capture: Capture, model: nn.Module, inputs: Inputs, interpreter: fx.Interpreter | None = None
+) -> Any:
     """Run the captured graph on the original module tree and return the user-facing output."""
     interp = interpreter or CaptureInterpreter(model, capture)
     # Inputs are flattened and outputs rebuilt here, once (the interpreter would otherwise
@@ -126,65 +163,59 @@ def profile(
     inputs: Inputs,
     *,
     loss_fn: LossFn | None = None,
-    repeat: int = 3,
+    repeat: int = 2,
     estimate_times: bool | None = None,
 ) -> Profile:
-    """Profile one training step of ``capture``'s graph, node by node, on real inputs.
+    """Profile one training step of ``capture``'s graph, node by node, without ever running
+    the un-checkpointed step on real tensors.
 
-    ``estimate_times`` replaces timed runs by FLOP-based estimates (see
-    :func:`estimated_seconds`); it defaults to on for the meta device, where tensors have
-    shapes but no data, so that a model whose parameters do not fit in memory can be
-    planned without allocating them.
+    Structure (saved, returned and mutated storages, FLOPs, random ops) comes from one
+    forward on fake tensors (note 1); kernel workspaces and times from the probe (note 2),
+    which runs each node on real tensors while only a lean working set is alive. On the
+    meta device (or with ``estimate_times``) there is no probe: times are the cost model's
+    (note 3) and workspaces are unknown.
     """
     loss_fn = loss_fn or default_loss
+    device = device_of(model, inputs)
     if estimate_times is None:
-        estimate_times = device_of(model, inputs).type == "meta"
+        estimate_times = device.type == "meta"
     nodes = capture.compute_nodes()
     index_of = {node: i for i, node in enumerate(nodes)}
-    device = device_of(model, inputs)
-    static_keys, param_bytes, buffer_bytes, input_bytes = _static_storages(model, inputs)
+    _, param_bytes, buffer_bytes, input_bytes = _static_storages(model, inputs)
     grad_bytes_by_node, param_grad_bytes = _param_grad_attribution(model, capture, index_of)
 
     with preserved_training_state(model):
-        buffers_before = {name: b.detach().clone() for name, b in model.named_buffers()}
-        recorder = _Recorder(model, capture, index_of, static_keys, record=True)
-        output = run_graph(capture, model, inputs, recorder)
-        mutated = tuple(
-            name for name, b in model.named_buffers()
-            if (_named_like_running_statistics(name) if b.device.type == "meta"
-                else not _same(b, buffers_before[name]))
-        )
-        del buffers_before
-        _backward(loss_fn(output), None)
-        del output
-        structure = recorder
-        clear_grads(model)
-
-        fwd_times: list[list[float]] = [[] for _ in nodes]
-        bwd_times: list[list[float]] = [[] for _ in nodes]
-        step_times: list[float] = []
-        for _ in range(0 if estimate_times else max(1, repeat)):
-            timer = _Recorder(model, capture, index_of, static_keys, record=False)
-            start = now(device)
-            output = run_graph(capture, model, inputs, timer)
+        with fake_step(model, inputs) as fake_inputs:
+            static_keys = _static_storages(model, fake_inputs)[0]
+            buffer_names = {
+                _storage_key(b): name for name, b in model.named_buffers(remove_duplicate=False)
+            }
+            structure = _Recorder(model, capture, index_of, static_keys)
+            output = run_graph(capture, model, fake_inputs, structure)
             loss = loss_fn(output)
-            stamps = timer.backward_stamps()
-            _backward(loss, None)
-            end = now(device)
-            del output, loss
-            step_times.append(end - start)
-            for i, seconds in enumerate(timer.forward_seconds):
-                fwd_times[i].append(seconds)
-            for i, seconds in _backward_durations(stamps, end).items():
-                bwd_times[i].append(seconds)
-            clear_grads(model)
-
-    if estimate_times:
-        for i in range(len(nodes)):
-            out_bytes = sum(structure.storage_bytes[s] for s in structure.outputs[i])
-            fwd_times[i] = [estimated_seconds(structure.flops[i], out_bytes)]
-            bwd_times[i] = [2 * fwd_times[i][0]]
-        step_times = [sum(3 * t[0] for t in fwd_times)] if nodes else [0.0]
+            _check_loss(loss)
+            del output
+            loss.backward()  # on fake tensors: the layouts of the gradients nodes receive
+            del loss
+            mutated = tuple(
+                sorted({name for key, name in buffer_names.items() if key in structure.written})
+            )
+        probe = (
+            None
+            if estimate_times
+            else _probe(model, capture, inputs, loss_fn, index_of, structure, max(1, repeat))
+        )
+    costs = [
+        estimated_seconds(structure.flops[i], structure.traffic[i], device.type)
+        for i in range(len(nodes))
+    ]
+    if probe is None:
+        fwd_times = costs
+        bwd_times = [2 * c for c in costs]
+        step_seconds = 3 * sum(costs)
+    else:
+        fwd_times, bwd_times = probe.forward_seconds, probe.backward_seconds
+        step_seconds = sum(fwd_times) + sum(bwd_times) + probe.loss_seconds
     profiles = tuple(
         NodeProfile(
             name=node.name,
@@ -192,11 +223,15 @@ def profile(
             saved=tuple(structure.saved[i]),
             outputs=tuple(structure.outputs[i]),
             mutates=tuple(structure.mutates[i]),
-            forward_seconds=statistics.median(fwd_times[i]) if fwd_times[i] else 0.0,
-            backward_seconds=statistics.median(bwd_times[i]) if bwd_times[i] else 0.0,
+            forward_seconds=fwd_times[i],
+            backward_seconds=bwd_times[i],
             flops=structure.flops[i],
             random=structure.random[i],
             param_grad_bytes=grad_bytes_by_node.get(i, 0),
+            cost_seconds=costs[i],
+            forward_workspace=probe.forward_workspace[i] if probe else 0,
+            backward_workspace=probe.backward_workspace[i] if probe else 0,
+            hidden_saved=probe.hidden_saved[i] if probe else 0,
         )
         for i, node in enumerate(nodes)
     )
@@ -210,51 +245,36 @@ def profile(
         output_bytes=structure.final_output_bytes,
         mutated_buffers=mutated,
         device=str(device),
-        step_seconds=statistics.median(step_times),
+        step_seconds=step_seconds,
         times_estimated=estimate_times,
+        loss_workspace=probe.loss_workspace if probe else 0,
+        probe_peak_bytes=probe.peak_bytes if probe else None,
     )
 
 
-ESTIMATED_FLOPS_PER_SECOND = 100e12
-"""Throughput assumed by FLOP-based time estimates (an accelerator's dense matmul rate)."""
-ESTIMATED_BYTES_PER_SECOND = 1e12
-"""Memory bandwidth assumed by FLOP-based time estimates (for ops that do little arithmetic)."""
+# Note 3 — the cost model. Plans must not change with machine noise (ranks and processes
+# must agree), so the solvers' recompute cost is a fixed function of the graph: a roofline
+# of each node's FLOPs and memory traffic at nominal rates for its device class, plus a
+# fixed per-node dispatch cost. Measured times only report (and scale) seconds. Only the
+# relative cost of nodes and segments matters to a plan.
+NOMINAL_RATES: dict[str, tuple[float, float, float]] = {
+    # device type: (FLOP/s, bytes/s, seconds per node)
+    "cpu": (50e9, 10e9, 10e-6),
+    "cuda": (100e12, 2e12, 10e-6),
+    "meta": (100e12, 2e12, 10e-6),
+}
+SEGMENT_OVERHEAD_SECONDS: dict[str, float] = {"cpu": 100e-6, "cuda": 50e-6, "meta": 50e-6}
+"""Fixed cost of one checkpoint segment (saved-tensor hooks, recompute dispatch) per device
+class, in the cost model's seconds: it keeps the solvers from cutting a cheap model into
+many tiny segments."""
 
 
-def estimated_seconds(flops: int, output_bytes: int) -> float:
-    """A roofline estimate of one node's forward time: the slower of its arithmetic at
-    :data:`ESTIMATED_FLOPS_PER_SECOND` and writing its outputs at
-    :data:`ESTIMATED_BYTES_PER_SECOND`. Only the *relative* cost of nodes matters to the
-    solvers, so the constants set the scale of reported seconds, not the plan."""
-    return max(flops / ESTIMATED_FLOPS_PER_SECOND, output_bytes / ESTIMATED_BYTES_PER_SECOND)
-
-
-def checkpoint_overhead_seconds(device: torch.device, repeat: int = 50) -> float:
-    """Fixed cost of one ``torch.utils.checkpoint`` segment on ``device`` (forward bookkeeping,
-    recompute dispatch, saved-tensor hooks), measured on a trivial function: the median extra
-    time of a checkpointed step over a plain one. Solvers charge it once per segment, so
-    they do not cut a cheap model into many tiny segments."""
-    from torch.utils.checkpoint import checkpoint
-
-    x = torch.ones(8, device=device, requires_grad=True)
-
-    def body(t: torch.Tensor) -> torch.Tensor:
-        return t.sin()
-
-    def plain() -> None:
-        body(x).sum().backward()
-
-    def checkpointed() -> None:
-        checkpoint(body, x, use_reentrant=False).sum().backward()
-
-    extra = []
-    for _ in range(repeat):
-        start = now(device)
-        plain()
-        middle = now(device)
-        checkpointed()
-        extra.append((now(device) - middle) - (middle - start))
-    return max(0.0, statistics.median(extra))
+def estimated_seconds(flops: int, traffic_bytes: int, device_type: str = "cuda") -> float:
+    """The cost model's forward seconds of one node (note 3): the slower of its arithmetic
+    and its memory traffic (bytes read and written) at the nominal rates of
+    ``device_type``, plus a fixed per-node cost."""
+    flop_rate, byte_rate, per_node = NOMINAL_RATES.get(device_type, NOMINAL_RATES["cuda"])
+    return max(flops / flop_rate, traffic_bytes / byte_rate) + per_node
 
 
 class CaptureInterpreter(fx.Interpreter):
@@ -277,29 +297,40 @@ class CaptureInterpreter(fx.Interpreter):
 
 
 class _Recorder(CaptureInterpreter):
-    """An interpreter that records, per node, saved/output/mutated storages (``record``) or
-    forward wall time (timing runs). Values are kept alive for the whole run so that storage
-    addresses are never reused within one profile."""
+    """Note 1: runs the graph once on fake tensors and records per node the storages it
+    saves for backward, returns and writes in place, its FLOPs and memory traffic, whether
+    it draws random numbers, and which of its tensor arguments need gradients (the probe
+    recreates exactly those). Values stay alive for the whole run so that storage ids are
+    never reused (fake tensors hold no memory)."""
 
-    def __init__(self, model: nn.Module, capture: Capture, index_of: dict[fx.Node, int],
-                 static_keys: set[tuple[str, int]], record: bool) -> None:
-        super().__init__(model, capture, garbage_collect_values=not record)
+    def __init__(
+        self,
+        model: nn.Module,
+        capture: Capture,
+        index_of: dict[fx.Node, int],
+        static_keys: set[tuple[str, int]],
+    ) -> None:
+        super().__init__(model, capture, garbage_collect_values=False)
         self.index_of = index_of
         self.static_keys = static_keys
-        self.record = record
         n = len(index_of)
         self.saved: list[list[int]] = [[] for _ in range(n)]
         self.outputs: list[list[int]] = [[] for _ in range(n)]
         self.mutates: list[list[int]] = [[] for _ in range(n)]
+        self.needs_grad: list[tuple[bool, ...]] = [() for _ in range(n)]
+        # per node, per output tensor: (shape, strides) of the gradient backward hands it;
+        # filled by hooks during the fake backward
+        self.grad_layouts: list[dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = [
+            {} for _ in range(n)
+        ]
+        self.in_place = [False] * n
         self.flops = [0] * n
+        self.traffic = [0] * n
         self.random = [False] * n
-        self.forward_seconds = [0.0] * n
+        self.written: set[tuple[str, int]] = set()  # every storage written in place
         self.storage_bytes: list[int] = []
         self.storage_index: dict[tuple[str, int], int] = {}
-        self.keep_alive: list[Any] = []
-        self.grad_fns: dict[int, Any] = {}
         self.final_output_bytes = 0
-        self.device: torch.device | None = None
 
     def _storage_id(self, tensor: torch.Tensor) -> int | None:
         storage = tensor.untyped_storage()
@@ -311,25 +342,16 @@ class _Recorder(CaptureInterpreter):
         if key not in self.storage_index:
             self.storage_index[key] = len(self.storage_bytes)
             self.storage_bytes.append(storage.nbytes())
-            self.keep_alive.append(storage)
         return self.storage_index[key]
 
     def run_node(self, n: fx.Node) -> Any:
         i = self.index_of.get(n)
         if i is None:
             result = super().run_node(n)
-            if n.op == "output" and self.record:
+            if n.op == "output":
                 ids = {self._storage_id(t) for t in tensors_in(result)} - {None}
                 self.final_output_bytes = sum(self.storage_bytes[s] for s in ids)
             return result
-        if not self.record:
-            self.device = self.device or _first_device(n, self.env)
-            start = now(self.device)
-            result = super().run_node(n)
-            self.forward_seconds[i] = now(self.device) - start
-            self._remember_grad_fn(i, result)
-            return result
-
         saved: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -338,43 +360,304 @@ class _Recorder(CaptureInterpreter):
                 saved.add(sid)
             return t
 
-        args = [t for t in tensors_in(self._lookup_args(n))]
+        args = tensors_in(fx.node.map_arg((n.args, n.kwargs), lambda a: self.env.get(a)))
         versions = [(t, t._version) for t in args]
-        rng = torch.get_rng_state()
-        cuda_rng = _cuda_rng_state()
-        seeded = _SeededOpWatch() if _on_meta(args) else contextlib.nullcontext()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with FlopCounterMode(display=False) as counter, seeded:
-                result = super().run_node(n)
+        watch = _OpWatch()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with FlopCounterMode(display=False) as counter, watch:
+                    result = super().run_node(n)
+        except (DynamicOutputShapeException, DataDependentOutputException) as error:
+            raise _data_dependent(n, error) from error
+        outputs = tensors_in(result)
+        for k, t in enumerate(outputs):
+            if t.requires_grad:
+                t.register_hook(functools.partial(self._grad_layout, i, k))
+        written = {_storage_key(t) for t in watch.written}
+        written |= {_storage_key(t) for t, v in versions if t._version != v}
+        self.written |= written
         self.flops[i] = int(counter.get_total_flops())
-        self.random[i] = not torch.equal(rng, torch.get_rng_state()) or cuda_rng != _cuda_rng_state()
-        if isinstance(seeded, _SeededOpWatch):
-            self.random[i] = seeded.seen
+        self.random[i] = watch.seeded
+        self.traffic[i] = sum(t.nbytes for t in args) + sum(t.nbytes for t in outputs)
+        self.needs_grad[i] = tuple(t.requires_grad for t in args)
+        self.in_place[i] = bool(written)
         self.saved[i] = sorted(saved)
-        self.outputs[i] = sorted({self._storage_id(t) for t in tensors_in(result)} - {None})
+        self.outputs[i] = sorted({self._storage_id(t) for t in outputs} - {None})
         self.mutates[i] = sorted(
-            {self._storage_id(t) for t, v in versions if t._version != v} - {None}
+            {self.storage_index[k] for k in written if k in self.storage_index}
         )
         return result
 
-    def _lookup_args(self, n: fx.Node) -> Any:
-        return fx.node.map_arg((n.args, n.kwargs), lambda a: self.env.get(a))
+    def _grad_layout(self, i: int, k: int, grad: torch.Tensor) -> None:
+        self.grad_layouts[i].setdefault(k, (tuple(grad.shape), tuple(grad.stride())))
 
-    def _remember_grad_fn(self, i: int, result: Any) -> None:
-        for t in tensors_in(result):
-            if t.grad_fn is not None:
-                self.grad_fns[i] = t.grad_fn
-                return
 
-    def backward_stamps(self) -> dict[int, list[float]]:
-        """Register pre-hooks that stamp when backward reaches each node's output."""
-        stamps: dict[int, list[float]] = {}
-        for i, grad_fn in self.grad_fns.items():
-            def hook(grad_outputs: Any, i: int = i) -> None:
-                stamps.setdefault(i, []).append(now(self.device))
+class _OpWatch(TorchDispatchMode):
+    """Notes the tensors operators write in place (by their schemas: batch-norm kernels
+    update running statistics without bumping version counters) and whether an operator
+    draws random numbers (the ``nondeterministic_seeded`` tag: fake and meta tensors
+    consume no random numbers, so the RNG state is no witness there)."""
 
-            grad_fn.register_prehook(hook)
-        return stamps
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeded = False
+        self.written: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seeded = True
+        values = {
+            argument.name: args[k] if k < len(args) else kwargs.get(argument.name)
+            for k, argument in enumerate(func._schema.arguments)
+        }
+        for argument in func._schema.arguments:
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                self.written.extend(tensors_in(values[argument.name]))
+        # Batch-norm kernels update running statistics in training without saying so in
+        # their schemas (aten::native_batch_norm and its cuDNN/MIOpen twins).
+        if "batch_norm" in func._schema.name and values.get("training"):
+            for name in ("running_mean", "running_var"):
+                self.written.extend(tensors_in(values.get(name)))
+        return func(*args, **kwargs)
+
+
+def _data_dependent(n: fx.Node, error: Exception) -> Exception:
+    """The typed error for an operator whose output shape depends on tensor values: such a
+    step cannot be sized without running it, and planning never runs it (note 1)."""
+    from autockpt.errors import TraceError
+
+    op = getattr(error, "func", None)
+    stack = n.meta.get("stack_trace") or ""
+    location = stack.strip().splitlines()[-2].strip() if stack.strip() else ""
+    return TraceError(
+        str(n.target) if n.op == "call_module" else "",
+        location,
+        n.format_node(),
+        f"operator {op or n.target} (graph node '{n.name}') returns a tensor whose shape depends "
+        "on the values of its inputs (e.g. nonzero, masked_select, boolean indexing); autockpt "
+        "sizes a step from shapes alone and cannot plan it. Compute that value outside forward "
+        "and pass it in, or use a fixed-shape form (torch.where, masked_fill)",
+    )
+
+
+# Note 2 — the probe. Workspaces and times are properties of real kernels, so they are
+# measured on the device, but never with a whole step alive: the graph runs forward
+# without autograd (values die after their last use: the working set of any plan's
+# forward), and at each compute node the node alone runs forward and backward on copies of
+# its inputs. Pass 1 runs under the profiler's allocator events and a storage tracker; per
+# node and phase, the workspace is the allocator's peak above the phase's start minus the
+# tracker's (what operators return). Pass 2 times each node ``repeat`` times (minimum).
+_PROBE_MARK = "autockpt::probe::"
+
+
+@dataclass(frozen=True)
+class _ProbeResult:
+    forward_seconds: list[float]
+    backward_seconds: list[float]
+    forward_workspace: list[int]
+    backward_workspace: list[int]
+    hidden_saved: list[int]
+    loss_seconds: float
+    loss_workspace: int
+    peak_bytes: int
+
+
+class _Prober(CaptureInterpreter):
+    """Runs the graph without autograd and probes every compute node (note 2)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        capture: Capture,
+        index_of: dict[fx.Node, int],
+        structure: _Recorder,
+        timed: bool,
+        tracker: StorageTracker | None,
+    ) -> None:
+        super().__init__(model, capture, garbage_collect_values=True)
+        self.index_of = index_of
+        self.structure = structure
+        self.timed = timed
+        self.tracker = tracker
+        n = len(index_of)
+        self.forward_seconds = [0.0] * n
+        self.backward_seconds = [0.0] * n
+        self.device: torch.device | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        with torch.no_grad():
+            result = super().run_node(n)
+        i = self.index_of.get(n)
+        if i is not None:
+            self.device = self.device or _first_device(n, self.env)
+            forward, backward = self.probe(
+                f"{i}",
+                lambda args, kwargs, n=n: getattr(self, n.op)(n.target, args, kwargs),
+                fx.node.map_arg((n.args, n.kwargs), lambda a: self.env[a]),
+                self.structure.needs_grad[i],
+                self.structure.in_place[i],
+                self._module_parameters(n),
+                self.structure.grad_layouts[i],
+            )
+            self.forward_seconds[i], self.backward_seconds[i] = forward, backward
+        return result
+
+    def _module_parameters(self, n: fx.Node) -> list[torch.Tensor]:
+        if n.op != "call_module":
+            return []
+        return [p for p in self.module.get_submodule(n.target).parameters() if p.requires_grad]
+
+    def probe(
+        self,
+        label: str,
+        call: Any,
+        args_kwargs: Any,
+        needs_grad: tuple[bool, ...],
+        in_place: bool,
+        parameters: list[torch.Tensor],
+        grad_layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> tuple[float, float]:
+        """Run ``call`` forward and backward alone on fresh copies of its inputs: leaves
+        where the step differentiates them, clones where the call writes in place. Returns
+        (forward, backward) seconds."""
+        flat, spec = pytree.tree_flatten(args_kwargs)
+        wants = iter(needs_grad)
+        leaves: list[torch.Tensor] = []
+        fresh = []
+        for value in flat:
+            if isinstance(value, torch.Tensor):
+                if next(wants, False) and (value.is_floating_point() or value.is_complex()):
+                    leaf = value.detach().requires_grad_()
+                    leaves.append(leaf)
+                    value = leaf.clone() if in_place else leaf
+                elif in_place:
+                    value = value.clone()
+            fresh.append(value)
+        args, kwargs = pytree.tree_unflatten(fresh, spec)
+        existing = [t for t in fresh if isinstance(t, torch.Tensor)] + leaves + parameters
+        tracker = self.tracker
+        if tracker is not None:
+            tracker.static_ids = {id(t.untyped_storage()) for t in existing}
+        with torch.enable_grad():
+            start = now(self.device)
+            with self._window(f"f{label}"):
+                out = call(args, kwargs)
+            forward = now(self.device) - start
+            outs, grads = [], []
+            for k, t in enumerate(tensors_in(out)):
+                if t.requires_grad and t.grad_fn is not None:
+                    outs.append(t)
+                    grads.append(_gradient_like(t, (grad_layouts or {}).get(k)))
+            targets = leaves + parameters
+            backward = 0.0
+            if outs and targets:
+                if tracker is not None:
+                    tracker.static_ids |= {id(t.untyped_storage()) for t in outs + grads}
+                start = now(self.device)
+                with self._window(f"b{label}"):
+                    torch.autograd.grad(outs, targets, grads, allow_unused=True)
+                backward = now(self.device) - start
+        return forward, backward
+
+    @contextlib.contextmanager
+    def _window(self, label: str) -> Any:
+        if self.tracker is None:
+            yield
+            return
+        self.tracker.window = label
+        with torch.profiler.record_function(_PROBE_MARK + label), self.tracker:
+            yield
+        self.tracker.window = None
+
+
+def _probe(
+    model: nn.Module,
+    capture: Capture,
+    inputs: Inputs,
+    loss_fn: LossFn,
+    index_of: dict[fx.Node, int],
+    structure: _Recorder,
+    repeat: int,
+) -> _ProbeResult:
+    """Note 2: measure every node's kernel workspaces (pass 1) and times (pass 2) on the
+    device with a lean working set; also the loss's, and the allocator's peak meanwhile."""
+    device = device_of(model, inputs)
+    n = len(index_of)
+    tracker = StorageTracker()
+    prober = _Prober(model, capture, index_of, structure, timed=False, tracker=tracker)
+    with profiler_session() as session:
+        output = run_graph(capture, model, inputs, prober)
+        _probe_loss(prober, output, loss_fn)
+        del output
+    events = allocator_events(session, device.type)
+    tracked = tracker.deltas_by_window()
+    workspace: dict[str, int] = {}
+    hidden: dict[str, int] = {}
+    for mark in marks(session, _PROBE_MARK):
+        label = mark.name[len(_PROBE_MARK) :]
+        real = [e.nbytes for e in events if mark.start_ns <= e.time_ns <= mark.end_ns]
+        seen = tracked.get(label, [])
+        workspace[label] = max(0, peak_above_start(real) - peak_above_start(seen))
+        hidden[label] = max(0, sum(real) - sum(seen))
+    peak = static_tensor_bytes(model, inputs) + peak_above_start([e.nbytes for e in events])
+    del session, events, tracked, tracker, prober
+
+    forward = [float("inf")] * n
+    backward = [float("inf")] * n
+    loss_seconds = float("inf")
+    for _ in range(repeat):
+        timer = _Prober(model, capture, index_of, structure, timed=True, tracker=None)
+        output = run_graph(capture, model, inputs, timer)
+        loss_seconds = min(loss_seconds, sum(_probe_loss(timer, output, loss_fn)))
+        del output
+        forward = [min(a, b) for a, b in zip(forward, timer.forward_seconds, strict=True)]
+        backward = [min(a, b) for a, b in zip(backward, timer.backward_seconds, strict=True)]
+    return _ProbeResult(
+        forward_seconds=forward,
+        backward_seconds=backward,
+        forward_workspace=[workspace.get(f"f{i}", 0) for i in range(n)],
+        backward_workspace=[workspace.get(f"b{i}", 0) for i in range(n)],
+        hidden_saved=[hidden.get(f"f{i}", 0) for i in range(n)],
+        loss_seconds=loss_seconds,
+        loss_workspace=max(workspace.get("floss", 0), workspace.get("bloss", 0)),
+        peak_bytes=peak,
+    )
+
+
+def _gradient_like(
+    t: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...]] | None
+) -> torch.Tensor:
+    """A gradient for ``t`` laid out as the step's backward hands it over (kernels copy a
+    non-contiguous gradient, such as a slice of a concatenation's, into a workspace)."""
+    if layout is None or tuple(layout[0]) != tuple(t.shape):
+        return torch.ones_like(t)
+    shape, stride = layout
+    return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).fill_(1)
+
+
+def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, float]:
+    """Probe the loss like a node: on leaves made of the graph's (autograd-free) outputs."""
+    made: list[torch.Tensor] = []
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            made.append(t.detach().requires_grad_())
+            return made[-1]
+        return t
+
+    try:
+        fresh = pytree.tree_map_only(torch.Tensor, leaf, output)
+    except Exception:  # an output type pytree cannot rebuild: the loss goes unprobed
+        return 0.0, 0.0
+    return prober.probe(
+        "loss",
+        lambda args, kwargs: loss_fn(args[0]),
+        ((fresh,), {}),
+        tuple(True for _ in made),
+        False,
+        [],
+    )
 
 
 class _SeededOpWatch(TorchDispatchMode):
@@ -392,41 +675,9 @@ class _SeededOpWatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _on_meta(values: list[torch.Tensor]) -> bool:
-    return any(t.device.type == "meta" for t in values)
-
-
-def _backward_durations(stamps: dict[int, list[float]], end: float) -> dict[int, float]:
-    """Attribute backward time to nodes: from a node's first stamp to the next stamp."""
-    order = sorted((times[0], i) for i, times in stamps.items())
-    durations: dict[int, float] = {}
-    for k, (t, i) in enumerate(order):
-        nxt = order[k + 1][0] if k + 1 < len(order) else end
-        durations[i] = max(0.0, nxt - t)
-    return durations
-
-
-def _backward(loss: torch.Tensor, grad: torch.Tensor | None) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(
-            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-            + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
-        )
-    loss.backward(grad)
-
-
-def _named_like_running_statistics(name: str) -> bool:
-    """Meta tensors have no values to compare: buffers named like normalisation statistics
-    are taken as mutated by the forward (the conservative choice: restored after recompute)."""
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf.startswith("running_") or leaf == "num_batches_tracked"
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def _static_storages(model: nn.Module, inputs: Inputs) -> tuple[set[tuple[str, int]], int, int, int]:
+def _static_storages(
+    model: nn.Module, inputs: Inputs
+) -> tuple[set[tuple[str, int]], int, int, int]:
     """Storages that live for the whole step whatever the plan, and their byte totals."""
     keys: set[tuple[str, int]] = set()
 
@@ -444,12 +695,12 @@ def _static_storages(model: nn.Module, inputs: Inputs) -> tuple[set[tuple[str, i
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    """Identity of a tensor's storage: its address, or on the meta device (where every
-    address is 0) the storage object itself, which PyTorch keeps unique while it lives
-    (the recorder and the model keep every profiled storage alive)."""
+    """Identity of a tensor's storage: its address, or for fake and meta tensors (which
+    have none) the storage object itself, which PyTorch keeps unique while it lives (the
+    recorder and the model keep every profiled storage alive)."""
     storage = tensor.untyped_storage()
-    if tensor.device.type == "meta":
-        return ("meta", id(storage))
+    if is_fake(tensor):
+        return ("fake", id(storage))
     return (str(tensor.device), storage.data_ptr())
 
 
@@ -492,3 +743,11 @@ def _first_device(n: fx.Node, env: dict) -> torch.device:
     for t in tensors_in(fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a))):
         return t.device
     return torch.device("cpu")
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+            + (f" of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
+        )

@@ -424,55 +424,34 @@ def _measure(planner: Planner, module: Any) -> Any:
 
 
 def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[int, int], ...]]:
-    """Checkpoint each child of the model's biggest container of repeated blocks.
+    """Checkpoint each child of the model's container of repeated blocks (the hand-written
+    baseline most code uses, "checkpoint every layer"), as stage ranges of the planner's
+    chain.
 
-    The container is the ``ModuleList``/``Sequential`` with the most parameters among
-    those whose children all share one type (the transformer layers, the residual
-    stages); a model without one has no per-block plan. Each child becomes the stages that lie wholly
-    inside its graph nodes; a child too small to hold a whole stage is skipped. This is
-    the hand-written baseline most code uses ("checkpoint every layer").
+    The blocks are :func:`autockpt.blocks.find_repeated_blocks`' (the same ones FSDP units
+    and the chain's required cuts come from). When the chain has a cut at every block
+    boundary (it does when built with ``required_cuts`` from
+    :func:`autockpt.blocks.block_cut_positions`), each block is exactly one segment.
+    Otherwise each block becomes the stages lying wholly inside it, and a block too small to
+    hold a whole stage is skipped. Returns ``(None, ())`` for a model without repeated
+    blocks.
     """
-    from torch import nn
+    from autockpt.blocks import block_node_ranges, find_repeated_blocks
 
-    candidates = []
-    for name, module in planner.model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
-            children = list(module.children())
-            if len({type(child) for child in children}) == 1:
-                params = sum(p.numel() for p in module.parameters())
-                candidates.append((params, len(children), name))
-    if not candidates:
+    blocks = find_repeated_blocks(planner.model)
+    if blocks is None:
         return None, ()
-    *_, container = max(candidates)
-    prefix = f"{container}." if container else ""
-    span: dict[str, list[int]] = {}
-    for index, node in enumerate(planner.capture.compute_nodes()):
-        child = _child_of(node, prefix)
-        if child is not None:
-            first_last = span.setdefault(child, [index, index])
-            first_last[1] = index
-    stages = planner.chain.stages
+    chain = planner.chain
+    ranges = block_node_ranges(planner.capture, blocks)
+    exact = chain.stage_ranges_for(ranges)
+    if exact is not None:
+        return blocks.container, tuple((r.start, r.end) for r in exact)
     segments: list[tuple[int, int]] = []
-    for first, last in sorted(span.values()):
-        inside = [k for k, (start, end) in enumerate(stages) if start >= first and end <= last + 1]
+    for first, stop in ranges:
+        inside = [k for k, stage in enumerate(chain.stages) if stage.first >= first and stage.stop <= stop]
         if inside and (not segments or inside[0] >= segments[-1][1]):
             segments.append((inside[0], inside[-1] + 1))
-    return container, tuple(segments)
-
-
-def _child_of(node: Any, prefix: str) -> str | None:
-    """The direct child of the container (``prefix``) that ``node`` runs inside, if any."""
-    paths = []
-    for key, value in (node.meta.get("nn_module_stack") or {}).items():
-        paths.append(
-            value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key
-        )
-    if node.op == "call_module":
-        paths.append(str(node.target))
-    for path in paths:
-        if path.startswith(prefix) and len(path) > len(prefix):
-            return prefix + path[len(prefix) :].split(".")[0]
-    return None
+    return blocks.container, tuple(segments)
 
 
 def frontier_figure(result: Frontier) -> Figure:

@@ -95,3 +95,56 @@ def now(device: torch.device | None) -> float:
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+@contextmanager
+def fake_step(model: nn.Module, inputs: Inputs) -> Iterator[Inputs]:
+    """Run a step of ``model`` on fake tensors: shapes, dtypes, devices, strides and storage
+    aliasing exactly as a real step, and no memory for data (design note 1 in
+    ``autockpt/record.py``).
+
+    Inside the block the model's parameters and buffers are replaced by fake twins (ties
+    kept: one twin per tensor object) and the yielded inputs are fake; on exit the real
+    tensors are back and untouched (a fake step's gradients land on the twins). Tensors the
+    graph holds itself (constants an export capture lifted) are converted when first used.
+    On the meta device there is nothing to fake: the model and inputs are yielded as given.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from autockpt.trace import Inputs as _Inputs
+
+    if device_of(model, inputs).type == "meta":
+        yield inputs
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    twins: dict[int, torch.Tensor] = {}
+
+    def twin(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in twins:
+            fake = mode.from_tensor(t)
+            if t.requires_grad and not fake.requires_grad:
+                fake.requires_grad_(True)
+            twins[id(t)] = fake
+        return twins[id(t)]
+
+    state = {name: twin(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    state |= {name: twin(b) for name, b in model.named_buffers(remove_duplicate=False)}
+    fake_inputs = _Inputs(
+        pytree.tree_map_only(torch.Tensor, twin, inputs.args),
+        pytree.tree_map_only(torch.Tensor, twin, inputs.kwargs),
+    )
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    try:
+        with _reparametrize_module(model, state), mode:
+            yield fake_inputs
+    finally:
+        for name, p in model.named_parameters():  # a stray fake gradient never survives
+            p.grad = grads.get(name)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` has shape and no data (a fake or meta tensor)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) or t.device.type == "meta"

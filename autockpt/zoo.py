@@ -553,12 +553,15 @@ def two_in_two_out(
 # ---------------------------------------------------------------------------------------------
 
 
-class DataDependentRouter(nn.Module):
-    """Submodule whose control flow depends on tensor *values*, so ``torch.fx`` cannot trace it.
+class ShapeDependentRouter(nn.Module):
+    """Submodule whose Python control flow depends on its input's *shape*, so ``torch.fx``
+    (which traces shapes as proxies) cannot trace it, while every run on inputs of one shape
+    does the same work.
 
-    It picks a sign from ``x.sum() > 0`` and runs a refinement loop ``int(x.norm())``-dependent
-    times (bounded by ``max_steps``).  Both paths use the same parameters, so every parameter
-    receives a gradient whichever path the data selects.
+    It picks a sign from the batch size's parity and runs a refinement loop a
+    width-dependent number of times (bounded by ``max_steps``).  Both paths use the same
+    parameters.  (Control flow on tensor *values* would make the step's memory depend on the
+    data, which one example cannot bound: autockpt refuses such a model with a TraceError.)
     """
 
     def __init__(self, width: int, max_steps: int = 3) -> None:
@@ -568,18 +571,18 @@ class DataDependentRouter(nn.Module):
         self.refine = nn.Linear(width, width)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.sum() > 0:
+        if x.shape[0] % 2 == 0:
             x = x + torch.tanh(self.proj(x))
         else:
             x = x - torch.tanh(self.proj(x))
-        steps = min(int(x.detach().norm()) % self.max_steps + 1, self.max_steps)
+        steps = min(x.shape[-1] % self.max_steps + 1, self.max_steps)
         for _ in range(steps):
             x = x + 0.5 * torch.tanh(self.refine(x))
         return x
 
 
 class UntraceableSubmodule(nn.Module):
-    """Traceable residual MLP stack with one :class:`DataDependentRouter` in the middle.
+    """Traceable residual MLP stack with one :class:`ShapeDependentRouter` in the middle.
 
     ``torch.fx.symbolic_trace`` fails on the whole model, but succeeds once the router (the
     ``router`` attribute, class :attr:`LEAF_MODULE`) is declared a leaf, leaving the blocks on
@@ -587,14 +590,14 @@ class UntraceableSubmodule(nn.Module):
     untraceable submodule as an opaque node.
     """
 
-    LEAF_MODULE: type[nn.Module] = DataDependentRouter
+    LEAF_MODULE: type[nn.Module] = ShapeDependentRouter
 
     def __init__(self, in_features: int, width: int, blocks: int, num_classes: int) -> None:
         super().__init__()
         half = blocks // 2
         self.in_proj = nn.Linear(in_features, width)
         self.before = nn.Sequential(*(ResidualMLP(width, 4 * width) for _ in range(half)))
-        self.router = DataDependentRouter(width)
+        self.router = ShapeDependentRouter(width)
         self.after = nn.Sequential(*(ResidualMLP(width, 4 * width) for _ in range(blocks - half)))
         self.head = nn.Linear(width, num_classes)
 
@@ -613,7 +616,7 @@ def untraceable_submodule(
     num_classes: int = 10,
     seed: int = 0,
 ) -> tuple[nn.Module, Tensor]:
-    """MLP stack around a data-dependent router; input ``(batch, in_features)``."""
+    """MLP stack around a shape-dependent router; input ``(batch, in_features)``."""
     torch.manual_seed(seed)
     model = UntraceableSubmodule(in_features, width, blocks, num_classes)
     x = torch.randn(batch, in_features)

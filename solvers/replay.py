@@ -46,10 +46,21 @@ meta-device plans are memory-exact only for named tensors.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MemoryTrace", "PlanSimulation", "Window", "simulate", "timeline"]
+import numpy as np
+
+__all__ = [
+    "MemoryTrace",
+    "PlanSimulation",
+    "Replayer",
+    "Window",
+    "replayer",
+    "simulate",
+    "timeline",
+]
 
 PROLOGUE, FORWARD, LOSS, BACKWARD = "prologue", "forward", "loss", "backward"
 
@@ -107,46 +118,18 @@ class PlanSimulation:
     backward_peak_bytes: int
 
 
-Position = tuple[int, float]
-"""A point of the plan's timeline: (slot, order within the slot). Slots are the eager windows
-in order with one recompute slot inserted per segment; the order within a slot is the eager
-event index (``+ 0.5`` is "right after that event", ``-1`` "before anything")."""
-
-
 def simulate(
     trace: MemoryTrace,
     segments: Sequence[tuple[int, int]],
     preserve_rng: Sequence[bool] | None = None,
 ) -> PlanSimulation:
-    """Replay ``trace`` with the given checkpointed node ranges ``[first, stop)`` (sorted,
-    disjoint, within the graph's compute nodes) and return the predicted peak.
+    """Replay ``trace`` with the given checkpointed node ranges ``[first, stop)`` (disjoint,
+    within the graph's compute nodes) and return the predicted peak.
 
     ``preserve_rng[k]`` says that segment ``k`` stashes the RNG state (it has random ops):
     the checkpoint then holds one state tensor from its forward to the end of its backward
     and another while it recomputes (``trace.rng_state_bytes`` each)."""
-    replay = _Replay(trace, segments)
-    points = replay.points(preserve_rng)
-    current = peak = 0
-    forward_peak = backward_peak = 0
-    peak_slot = 0
-    for (slot, _), delta, _ in points:
-        current += delta
-        phase = replay.slot_phase[slot][0]
-        if phase in (PROLOGUE, FORWARD, LOSS):
-            forward_peak = max(forward_peak, current)
-        else:
-            backward_peak = max(backward_peak, current)
-        if current > peak:
-            peak, peak_slot = current, slot
-    phase, node = replay.slot_phase.get(peak_slot, (FORWARD, 0))
-    static = trace.static_bytes
-    return PlanSimulation(
-        peak_bytes=static + peak,
-        peak_phase=phase,
-        peak_node=node,
-        forward_peak_bytes=static + forward_peak,
-        backward_peak_bytes=static + backward_peak,
-    )
+    return replayer(trace).simulate(segments, preserve_rng)
 
 
 def timeline(
@@ -158,240 +141,528 @@ def timeline(
     every slot of the plan's step in time order, where ``phase`` is ``prologue``,
     ``forward``, ``loss``, ``recompute`` (``node`` = the segment's first node) or
     ``backward``, and bytes include the static part. Its maximum is ``simulate``'s peak."""
-    replay = _Replay(trace, segments)
-    peaks: dict[int, int] = {}
-    ends: dict[int, int] = {}
-    current = 0
-    for (slot, _), delta, _ in replay.points(preserve_rng):
-        peaks.setdefault(slot, current)  # live on entry, before the slot's first event
-        current += delta
-        peaks[slot] = max(peaks[slot], current)
-        ends[slot] = current
-    curve: list[tuple[str, int, int]] = []
-    live = 0  # live bytes at the end of the previous slot
-    for slot in sorted(replay.slot_phase):
-        phase, node = replay.slot_phase[slot]
-        curve.append((phase, node, trace.static_bytes + peaks.get(slot, live)))
-        live = ends.get(slot, live)
-    return curve
+    return replayer(trace).timeline(segments, preserve_rng)
 
 
-class _Replay:
-    """The plan's timeline for one trace and one set of segments (see the module docstring
-    for the rules); :meth:`points` lists every allocation and free as a timeline point."""
+_REPLAYERS: dict[int, Replayer] = {}
 
-    def __init__(self, trace: MemoryTrace, segments: Sequence[tuple[int, int]]) -> None:
-        n = trace.num_nodes
-        self.trace = trace
-        self.segments = [(int(first), int(stop)) for first, stop in segments]
-        self.segment_of = [-1] * n
-        for k, (first, stop) in enumerate(self.segments):
-            if not 0 <= first < stop <= n:
-                raise ValueError(f"segment [{first}, {stop}) is outside the {n} compute nodes")
-            for i in range(first, stop):
-                if self.segment_of[i] != -1:
-                    raise ValueError(f"segments overlap at node {i}")
-                self.segment_of[i] = k
+
+def replayer(trace: MemoryTrace) -> Replayer:
+    """The :class:`Replayer` of ``trace``: built on first use, kept while the trace lives
+    (a search replays one trace hundreds of times; the plan-independent part is paid once)."""
+    found = _REPLAYERS.get(id(trace))
+    if found is None:
+        found = Replayer(trace)
+        _REPLAYERS[id(trace)] = found
+        weakref.finalize(trace, _REPLAYERS.pop, id(trace), None)
+    return found
+
+
+_I64 = np.int64
+_NO_WINDOW = np.iinfo(np.int64).max // 4  # "no backward window" in a minimum
+
+
+def _group(owners: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, owners)`` of the runs of equal values in sorted ``owners`` (for reduceat)."""
+    if len(owners) == 0:
+        return np.zeros(0, _I64), np.zeros(0, _I64)
+    starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]])
+    return starts, owners[starts]
+
+
+def _group_max(values: np.ndarray, group: tuple[np.ndarray, np.ndarray], size: int) -> np.ndarray:
+    """Per owner the largest of its values, ``-1`` for owners without any."""
+    out = np.full(size, -1, _I64)
+    starts, owners = group
+    if len(starts):
+        out[owners] = np.maximum.reduceat(values, starts)
+    return out
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a plan puts things: eager positions shifted by the recompute slots inserted
+    before them (``shift`` per eager window), and each recompute slot's block of positions."""
+
+    total: int
+    shift: np.ndarray  # per eager window: positions of recompute blocks at or before it
+    blocks: np.ndarray  # segments with a recompute slot, in time order
+    block_window: np.ndarray  # the eager window each of those blocks precedes
+    block_size: np.ndarray
+
+
+class Replayer:
+    """The replay of one trace, with everything no plan changes computed once.
+
+    The rules are those of the module docstring. A timeline position ``(slot, order)`` is
+    mapped to one integer: eager window ``w`` owns the positions ``-1`` (before anything),
+    its events in order, and "after its last event"; a recompute slot owns a block with
+    ``-1``, every event and every half step between the first and last event of its
+    segment's forward windows, and ``+inf``. A plan shifts the eager positions by the
+    blocks inserted before them, which keeps the order of ``(slot, order)`` pairs. Every
+    allocation is then a ``+size`` and a ``-size`` at two integers; the running sum is one
+    cumulative sum.
+
+    :meth:`peak_bytes` sums on a dense axis (allocation positions are unique, so the
+    highest prefix sum is the peak); :meth:`simulate` and :meth:`timeline` sort the points
+    by position and then by the order the rules list them, exactly as the replay is
+    defined, so that their every number, not only the peak, is the replay's."""
+
+    def __init__(self, trace: MemoryTrace) -> None:
+        n = self.num_nodes = trace.num_nodes
         windows = self.windows = trace.windows
-        # Each allocation's allocation and free event (eager order).
-        self.alloc_event: dict[int, int] = {}
-        self.free_event: dict[int, int] = {}
-        for e, (a, _) in enumerate(trace.events):
-            if a in self.alloc_event:
-                self.free_event[a] = e
+        nw = len(windows)
+        self.static_bytes = trace.static_bytes
+        self.rng_state_bytes = trace.rng_state_bytes
+        events = trace.events
+        ne = len(events)
+        ev_w = np.fromiter((w for _, w in events), dtype=_I64, count=ne)
+        phases = [win.phase for win in windows]
+        w_node = np.fromiter((win.node for win in windows), dtype=_I64, count=nw)
+        w_fwd = np.array([p == FORWARD for p in phases], dtype=bool)
+        w_bwd = np.array([p == BACKWARD for p in phases], dtype=bool)
+        self._w_fclass = np.array([p in (PROLOGUE, FORWARD, LOSS) for p in phases], dtype=bool)
+        if ne and (ev_w.min() < 0 or ev_w.max() >= nw):
+            raise ValueError("an event names a window the trace does not have")
+        if np.any(w_fwd & ((w_node < 0) | (w_node >= n))):
+            raise ValueError("a forward window names a node outside the compute nodes")
+        if np.any(w_bwd & (w_node >= n)):
+            raise ValueError("a backward window names a node outside the compute nodes")
+
+        # Eager positions: per window "-1", its events in order, "after the last event".
+        count = np.bincount(ev_w, minlength=nw).astype(_I64)
+        width = count + 2
+        woff = np.zeros(nw, _I64)
+        if nw:
+            woff[1:] = np.cumsum(width)[:-1]
+        first_of = np.zeros(nw, _I64)
+        if nw:
+            first_of[1:] = np.cumsum(count)[:-1]
+        order = np.argsort(ev_w, kind="stable")
+        at = np.empty(ne, _I64)
+        at[order] = woff[ev_w[order]] + 1 + np.arange(ne, dtype=_I64) - first_of[ev_w[order]]
+        end = woff + 1 + count  # end_of(w): right after the window's last event
+        self._woff, self._end, self._dense = woff, end, int(width.sum())
+        self._win_of_dense = np.repeat(np.arange(nw, dtype=_I64), width)
+        last_event = np.full(nw, -1, _I64)
+        np.maximum.at(last_event, ev_w, np.arange(ne, dtype=_I64))
+
+        # Per node: its forward window, first/last backward window, forward event range.
+        fwd_window = np.full(n + 1, -1, _I64)
+        bwd_first = np.full(n + 1, _NO_WINDOW, _I64)
+        bwd_last = np.full(n + 1, -1, _I64)
+        for w in range(nw):
+            node = int(w_node[w])
+            if w_fwd[w]:
+                fwd_window[node] = w
+            elif w_bwd[w] and node >= 0:
+                bwd_first[node] = min(int(bwd_first[node]), w)
+                bwd_last[node] = max(int(bwd_last[node]), w)
+        fwd_lo = np.full(n + 1, _NO_WINDOW, _I64)
+        fwd_hi = np.full(n + 1, -1, _I64)
+        fwd_events = np.flatnonzero(w_fwd[ev_w]) if ne else np.zeros(0, _I64)
+        np.minimum.at(fwd_lo, w_node[ev_w[fwd_events]], fwd_events)
+        np.maximum.at(fwd_hi, w_node[ev_w[fwd_events]], fwd_events)
+        last_pack = np.full(n + 1, -1, _I64)
+        packs = np.asarray(trace.last_pack[:n], dtype=_I64)
+        last_pack[: len(packs)] = packs
+        self._fwd_window, self._bwd_first, self._bwd_last = fwd_window, bwd_first, bwd_last
+        self._fwd_lo, self._fwd_hi, self._last_pack = fwd_lo, fwd_hi, last_pack
+        end_last_bwd = np.where(bwd_last >= 0, end[np.maximum(bwd_last, 0)], -1) if nw else bwd_last
+
+        # Allocations in the order the rules list them (first occurrence).
+        alloc_event: dict[int, int] = {}
+        free_event: dict[int, int] = {}
+        for e, (a, _) in enumerate(events):
+            if a in alloc_event:
+                free_event[a] = e
             else:
-                self.alloc_event[a] = e
-        self.window_of_event = [w for _, w in trace.events]
-        self.last_event_of_window: dict[int, int] = {}
-        for e, w in enumerate(self.window_of_event):
-            self.last_event_of_window[w] = e
-        # Forward window and backward windows (in time order) of every node.
-        self.backward_windows: dict[int, list[int]] = {}
-        self.forward_window: dict[int, int] = {}
-        for w, win in enumerate(windows):
-            if win.phase == BACKWARD and win.node >= 0:
-                self.backward_windows.setdefault(win.node, []).append(w)
-            elif win.phase == FORWARD:
-                self.forward_window[win.node] = w
-        first_backward: dict[int, int] = {}
-        self.last_backward_of_segment: dict[int, int] = {}
-        for node, ws in self.backward_windows.items():
-            k = self.segment_of[node]
-            if k >= 0:
-                first_backward[k] = min(first_backward.get(k, ws[0]), ws[0])
-                last = self.last_backward_of_segment.get(k, ws[-1])
-                self.last_backward_of_segment[k] = max(last, ws[-1])
-        # Slots: eager windows in order, each segment's recompute right before the first
-        # backward window of any of its nodes (where its first saved tensor is unpacked).
-        recompute_before = {w: k for k, w in first_backward.items()}
-        self.slot_of_window = [0] * len(windows)
-        self.recompute_slot: dict[int, int] = {}
-        self.slot_phase: dict[int, tuple[str, int]] = {}
-        slot = 0
-        for w, win in enumerate(windows):
-            if w in recompute_before:
-                k = recompute_before[w]
-                self.recompute_slot[k] = slot
-                self.slot_phase[slot] = ("recompute", self.segments[k][0])
-                slot += 1
-            self.slot_of_window[w] = slot
-            self.slot_phase[slot] = (win.phase, win.node)
-            slot += 1
-        self.savers: dict[int, list[int]] = {}
+                alloc_event[a] = e
+        ids = list(alloc_event)
+        na = self._num_allocations = len(ids)
+        a_e = np.fromiter(alloc_event.values(), dtype=_I64, count=na)
+        a_f = np.fromiter((free_event.get(a, -1) for a in ids), dtype=_I64, count=na)
+        sizes = trace.sizes
+        a_size = np.fromiter((sizes[a] for a in ids), dtype=_I64, count=na)
+        a_wm = ev_w[a_e]
+        a_wf = np.where(a_f >= 0, ev_w[np.maximum(a_f, 0)], -1) if na else a_f
+        made_fwd = w_fwd[a_wm] if na else np.zeros(0, bool)
+        freed = a_f >= 0
+        a_at_free = np.where(freed, at[np.maximum(a_f, 0)], -1) if na else a_f
+
+        # Plan-independent points: every allocation, and the free of what the forward did
+        # not make. Ranks follow the order the rules list points (alloc, recomputed copy's
+        # alloc and free, free; RNG stashes last): ties in position keep that order.
+        rank = 4 * np.arange(na, dtype=_I64)
+        other = np.flatnonzero(~made_fwd & freed)
+        self._base_pos = np.concatenate((at[a_e], a_at_free[other]))
+        self._base_delta = np.concatenate((a_size, -a_size[other]))
+        self._base_rank = np.concatenate((rank, rank[other] + 3))
+        self._base = np.zeros(self._dense, _I64)
+        np.add.at(self._base, self._base_pos, self._base_delta)
+
+        # Forward-made allocations: what the plan reschedules.
+        fa = np.flatnonzero(made_fwd)
+        nf = self._nf = len(fa)
+        producer = w_node[a_wm[fa]]
+        wf = a_wf[fa]
+        freed_bwd = (wf >= 0) & w_bwd[np.maximum(wf, 0)]
+        self._f_rank = rank[fa]
+        self._f_size = a_size[fa]
+        self._f_event = a_e[fa]
+        self._f_producer = producer
+        self._f_free = a_at_free[fa]  # eager free position, -1: never freed
+        self._f_in_forward_free = (wf >= 0) & ~freed_bwd  # freed before backward
+        freed_fwd = (wf >= 0) & w_fwd[np.maximum(wf, 0)]
+        self._f_freed_node = np.where(freed_fwd, w_node[np.maximum(wf, 0)], n)  # n: sentinel
+        self._f_free_event = a_f[fa]
+
+        savers: dict[int, list[int]] = {}
         for i, allocations in enumerate(trace.saved):
             for a in allocations:
-                self.savers.setdefault(a, []).append(i)
-        self.readers: dict[int, list[int]] = {}
+                savers.setdefault(a, []).append(i)
+        readers: dict[int, list[int]] = {}
         for i, allocations in enumerate(trace.reads):
             for a in allocations:
-                self.readers.setdefault(a, []).append(i)
-        self.graph_outputs = set(trace.output_allocations)
-        # Early stop: a recompute ends at the segment's last save for backward (the
-        # checkpoint stops once every saved tensor is back); what the rest of the segment
-        # would allocate never is, and the recompute's temporaries die there.
-        self.recompute_stop: dict[int, int] = {}
-        for k, (first, stop) in enumerate(self.segments):
-            packs = [trace.last_pack[i] for i in range(first, stop) if i < len(trace.last_pack)]
-            if packs and max(packs) >= 0:
-                self.recompute_stop[k] = max(packs)
+                readers.setdefault(a, []).append(i)
+        outputs = set(trace.output_allocations)
+        keep_eager = np.zeros(nf, bool)  # a graph output or nothing saves it
+        last_reader_end = np.full(nf, -1, _I64)
+        held_owner: list[int] = []
+        held_node: list[int] = []
+        saver_owner: list[int] = []
+        saver_node: list[int] = []
+        reader_owner: list[int] = []
+        reader_node: list[int] = []
+        for x, i in enumerate(fa.tolist()):
+            a, p = ids[i], int(producer[x])
+            reading, saving = readers.get(a, []), savers.get(a, [])
+            keep_eager[x] = a in outputs or not saving
+            later = [j for j in reading if j >= p]
+            last = max([p, *later])
+            w = int(fwd_window[last])
+            last_reader_end[x] = end[w] if w >= 0 else -2
+            both = reading + saving
+            held_owner += [x] * len(both)
+            held_node += both
+            saver_owner += [x] * len(saving)
+            saver_node += saving
+            reader_owner += [x] * len(later)
+            reader_node += later
+        self._f_keep_eager = keep_eager
+        self._f_last_reader_end = last_reader_end
+        self._held_owner = np.asarray(held_owner, _I64)
+        self._held_node = np.asarray(held_node, _I64)
+        self._held_group = _group(self._held_owner)
+        s_owner = self._saver_owner = np.asarray(saver_owner, _I64)
+        s_node = self._saver_node = np.asarray(saver_node, _I64)
+        self._saver_group = _group(s_owner)
+        # The saver whose backward freed it in eager: that free; another kept saver: the end
+        # of its backward (if it has one).
+        freer = (wf[s_owner] >= 0) & freed_bwd[s_owner] & (w_node[np.maximum(wf[s_owner], 0)] == s_node)
+        self._saver_freer = freer
+        self._saver_end = end_last_bwd[s_node]
+        self._saver_kept_reason = np.where(freer, self._f_free[s_owner], end_last_bwd[s_node])
+        self._reader_owner = np.asarray(reader_owner, _I64)
+        self._reader_node = np.asarray(reader_node, _I64)
+        self._reader_group = _group(self._reader_owner)
+        fw_last = np.where(fwd_window >= 0, last_event[np.maximum(fwd_window, 0)], -1)
+        self._last_event_of_forward = fw_last if nw else fwd_window
+        self._slot_fclass_cache: dict[tuple[int, ...], np.ndarray] = {}
+        self._eager: tuple[int, PlanSimulation, list[tuple[str, int, int]]] | None = None
 
-    # -- positions ------------------------------------------------------------------------
+    # -- public -----------------------------------------------------------------------------
 
-    def at(self, e: int) -> Position:
-        """Where eager event ``e`` happens."""
-        return (self.slot_of_window[self.window_of_event[e]], e)
+    def peak_bytes(
+        self, segments: Sequence[tuple[int, int]], preserve_rng: Sequence[bool] | None = None
+    ) -> int:
+        """``simulate(trace, segments, preserve_rng).peak_bytes``, faster (no sort)."""
+        return self._dense_peak(self._points(segments, preserve_rng, self.num_nodes, False))
 
-    def end_of(self, w: int) -> Position:
-        """Right after the last event of eager window ``w``."""
-        return (self.slot_of_window[w], self.last_event_of_window.get(w, -1) + 0.5)
+    def lower_bound_bytes(
+        self,
+        segments: Sequence[tuple[int, int]],
+        decided: int,
+        preserve_rng: Sequence[bool] | None = None,
+    ) -> int:
+        """A lower bound on the peak of every plan that checkpoints at least one range and,
+        on the nodes ``[0, decided)``, exactly ``segments`` (which lie there), whatever it
+        does with the nodes from ``decided`` on.
 
-    def window_of(self, e: int | None) -> Window | None:
-        return self.windows[self.window_of_event[e]] if e is not None else None
+        Why it is one: such a plan holds every allocation this replay holds (a subset of
+        its points: the undecided part's recomputes are left out) at the same positions,
+        and frees each no earlier, because every reason to keep an allocation that this
+        replay counts is one the plan has too: kept savers and entered segments among the
+        decided nodes, the last forward reader. With nothing undecided it is the peak."""
+        if not 0 <= decided <= self.num_nodes:
+            raise ValueError(f"decided must be within 0..{self.num_nodes}, got {decided}")
+        for first, stop in segments:
+            if stop > decided:
+                raise ValueError(f"segment [{first}, {stop}) reaches past node {decided}")
+        return self._dense_peak(self._points(segments, preserve_rng, decided, False))
 
-    # -- the rules --------------------------------------------------------------------------
+    def simulate(
+        self, segments: Sequence[tuple[int, int]], preserve_rng: Sequence[bool] | None = None
+    ) -> PlanSimulation:
+        """:func:`simulate` on this trace."""
+        points = self._points(segments, preserve_rng, self.num_nodes, True)
+        pos, cur, slot_of, slot_phase, _ = self._sorted(points)
+        fclass = self._slot_fclass(slot_phase)[slot_of]
+        static = self.static_bytes
+        peak, peak_slot = 0, 0
+        if len(cur):
+            top = int(cur.max())
+            if top > 0:
+                peak, peak_slot = top, int(slot_of[int(np.argmax(cur))])
+        forward = int(cur[fclass].max()) if fclass.any() else 0
+        backward = int(cur[~fclass].max()) if (~fclass).any() else 0
+        phase, node = slot_phase[peak_slot] if peak_slot < len(slot_phase) else (FORWARD, 0)
+        return PlanSimulation(
+            peak_bytes=static + peak,
+            peak_phase=phase,
+            peak_node=node,
+            forward_peak_bytes=static + max(0, forward),
+            backward_peak_bytes=static + max(0, backward),
+        )
 
-    def points(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
-        """Every allocation (+bytes) and free (-bytes) of the plan's step, sorted by position.
-        The third field tags the allocation (its id; ``~id`` for a recomputed copy; other
-        negative numbers for RNG stashes) for diagnostics."""
-        points: list[tuple[Position, int, int]] = []
-        checkpointed = bool(self.segments)
-        for a, e in self.alloc_event.items():
-            size = self.trace.sizes[a]
-            points.append((self.at(e), size, a))
-            f = self.free_event.get(a)
-            made_in = self.window_of(e)
-            free = self.at(f) if f is not None else None
-            if checkpointed and made_in is not None and made_in.phase == FORWARD:
-                freed_in = self.window_of(f)
-                if freed_in is not None and freed_in.phase != BACKWARD:
-                    held = self.segment_input_hold(a, made_in.node)
-                    free = max(free, held) if held is not None and free is not None else free
-                else:
-                    free = self.kept_for_backward_free(a, made_in.node, f)
-                k = self.segment_of[made_in.node]
-                if k >= 0 and k in self.recompute_slot:
-                    points.extend(self.recomputed(a, e, f, made_in.node, k))
-            if free is not None:
-                points.append((free, -size, a))
-        points.extend(self.rng_stashes(preserve_rng))
-        points.sort(key=lambda point: point[0])
-        return points
+    def timeline(
+        self, segments: Sequence[tuple[int, int]], preserve_rng: Sequence[bool] | None = None
+    ) -> list[tuple[str, int, int]]:
+        """:func:`timeline` on this trace."""
+        points = self._points(segments, preserve_rng, self.num_nodes, True)
+        _, cur, slot_of, slot_phase, _ = self._sorted(points)
+        slots = len(slot_phase)
+        top = np.full(slots, np.iinfo(_I64).min, _I64)
+        np.maximum.at(top, slot_of, cur)
+        last = np.searchsorted(slot_of, np.arange(slots), side="right") - 1
+        live_end = np.where(last >= 0, cur[np.maximum(last, 0)] if len(cur) else 0, 0)
+        entry = np.r_[0, live_end[:-1]] if slots else live_end
+        peaks = np.maximum(entry, top) + self.static_bytes
+        return [(phase, node, int(b)) for (phase, node), b in zip(slot_phase, peaks.tolist())]
 
-    def kept_for_backward_free(self, a: int, producer: int, f: int | None) -> Position | None:
-        """When a forward allocation that eager kept for backward is freed under the plan:
-        the latest of its last forward use, the backward of each *kept* node that saves it,
-        and the end of the backward of each segment it enters."""
-        eager_free = self.at(f) if f is not None else None
-        saving = self.savers.get(a, [])
-        if a in self.graph_outputs or not saving:
-            return eager_free  # held by something the graph does not name (the loss, the caller)
-        reasons: list[Position] = []
-        freed_in = self.window_of(f)
-        for j in saving:
-            if self.segment_of[j] >= 0:
-                continue  # a checkpointed saver keeps nothing; its recompute makes its own copy
-            if freed_in is not None and freed_in.phase == BACKWARD and freed_in.node == j:
-                reasons.append(eager_free)  # the very backward that freed it in eager
-            elif j in self.backward_windows:
-                reasons.append(self.end_of(self.backward_windows[j][-1]))
-        held = self.segment_input_hold(a, producer)
-        if held is not None:
-            reasons.append(held)
-        last_reader = max([producer, *(j for j in self.readers.get(a, []) if j >= producer)])
-        reasons.append(self.end_of(self.forward_window[last_reader]))
-        return max(reasons)
+    # -- the rules, vectorised ----------------------------------------------------------------
 
-    def segment_input_hold(self, a: int, producer: int) -> Position | None:
-        """A checkpoint keeps its segment's inputs for the recompute: an allocation made
-        outside a segment and read inside it lives until that segment's backward is over."""
-        segment_of = self.segment_of
-        entered = {
-            segment_of[j]
-            for j in self.readers.get(a, []) + self.savers.get(a, [])
-            if segment_of[j] >= 0 and segment_of[j] != segment_of[producer]
-        }
-        ends = [
-            self.end_of(self.last_backward_of_segment[k])
-            for k in entered
-            if k in self.last_backward_of_segment
-        ]
-        return max(ends) if ends else None
+    def _validate(self, segments: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        n = self.num_nodes
+        segs = [(int(first), int(stop)) for first, stop in segments]
+        firsts = np.fromiter((f for f, _ in segs), dtype=_I64, count=len(segs))
+        stops = np.fromiter((s for _, s in segs), dtype=_I64, count=len(segs))
+        cover = np.zeros(n + 2, _I64)
+        inside = bool(np.all((firsts >= 0) & (firsts < stops) & (stops <= n)))
+        if inside:
+            np.add.at(cover, firsts, 1)
+            np.add.at(cover, stops, -1)
+        if not inside or (len(segs) and int(np.cumsum(cover).max()) > 1):
+            segment_of = [-1] * n  # the first fault in the order a loop would meet it
+            for k, (first, stop) in enumerate(segs):
+                if not 0 <= first < stop <= n:
+                    raise ValueError(f"segment [{first}, {stop}) is outside the {n} compute nodes")
+                for i in range(first, stop):
+                    if segment_of[i] != -1:
+                        raise ValueError(f"segments overlap at node {i}")
+                    segment_of[i] = k
+        return firsts, stops
 
-    def recomputed(
-        self, a: int, e: int, f: int | None, producer: int, k: int
-    ) -> list[tuple[Position, int, int]]:
-        """The recompute's copy of forward allocation ``a`` (made by a node of segment ``k``):
-        made at the same point of the recompute slot; freed where eager freed the original
-        when a node of the segment saves it, else after its last use inside the recompute."""
-        first, stop = self.segments[k]
-        slot = self.recompute_slot[k]
-        size = self.trace.sizes[a]
-        end = self.recompute_stop.get(k)
-        if end is not None and e >= end:
-            return []  # after the segment's last save: the recompute stopped before it
-        freed_in = self.window_of(f)
-        inside_savers = [j for j in self.savers.get(a, []) if first <= j < stop]
-        if inside_savers:
-            if (
-                freed_in is not None
-                and freed_in.phase == BACKWARD
-                and freed_in.node in inside_savers
-            ):
-                free = self.at(f)
-            else:
-                ends = [
-                    self.end_of(self.backward_windows[j][-1])
-                    for j in inside_savers
-                    if j in self.backward_windows
-                ]
-                free = max(ends) if ends else (slot, e + 0.5)
-        elif freed_in is not None and freed_in.phase == FORWARD and first <= freed_in.node < stop:
-            free = (slot, f)
+    def _points(
+        self,
+        segments: Sequence[tuple[int, int]],
+        preserve_rng: Sequence[bool] | None,
+        decided: int,
+        ranks: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, _Layout, tuple[tuple[int, int], ...]]:
+        """The plan's points besides the plan-independent ones: (combined position, bytes,
+        rank or None), the layout, and the segments as ints."""
+        firsts, stops = self._validate(segments)
+        segs = tuple(zip(firsts.tolist(), stops.tolist(), strict=True))
+        n, count = self.num_nodes, len(segs)
+        nf = self._nf
+        woff, end = self._woff, self._end
+        no_blocks = _Layout(self._dense, np.zeros(len(self.windows), _I64), *(np.zeros(0, _I64),) * 3)
+        if not count and decided == n:  # eager: every free where it was
+            keep = np.flatnonzero(self._f_free >= 0)
+            rank = self._f_rank[keep] + 3 if ranks else None
+            return self._f_free[keep], -self._f_size[keep], rank, no_blocks, segs
+
+        # Segment of every node (-1: kept or undecided), and per segment what the rules use.
+        mark = np.zeros(n + 1, _I64)
+        tags = np.arange(1, count + 1, dtype=_I64)
+        np.add.at(mark, firsts, tags)
+        np.add.at(mark, stops, -tags)
+        segment_of = np.cumsum(mark)[:n] - 1
+        bounds = np.stack((firsts, stops), axis=1).ravel()
+        if count:
+            first_bwd = np.minimum.reduceat(self._bwd_first, bounds)[::2]
+            last_bwd = np.maximum.reduceat(self._bwd_last, bounds)[::2]
+            stop_at = np.maximum.reduceat(self._last_pack, bounds)[::2]  # early stop (< 0: none)
+            lo = np.minimum.reduceat(self._fwd_lo, bounds)[::2]
+            hi = np.maximum.reduceat(self._fwd_hi, bounds)[::2]
         else:
-            inside_readers = [j for j in self.readers.get(a, []) if producer <= j < stop]
-            last = self.forward_window[max([producer, *inside_readers])]
-            free = (slot, self.last_event_of_window.get(last, e) + 0.5)
-        if end is not None and free[0] == slot and free[1] > end - 0.5:
-            free = (slot, end - 0.5)  # a temporary the stopped recompute drops
-        return [((slot, e), size, ~a), (free, -size, ~a)]
+            first_bwd = last_bwd = stop_at = lo = hi = np.zeros(0, _I64)
+        has_bwd = last_bwd >= 0
+        lo = np.where(hi >= 0, lo, 0)
+        # Recompute blocks, in time order (the first backward windows are distinct).
+        blocks = np.flatnonzero(has_bwd)
+        blocks = blocks[np.argsort(first_bwd[blocks], kind="stable")]
+        block_window = first_bwd[blocks]
+        block_size = 2 * (hi[blocks] - lo[blocks]) + 4
+        shift = np.zeros(len(self.windows), _I64)
+        shift[block_window] = block_size
+        shift = np.cumsum(shift)
+        layout = _Layout(self._dense + int(block_size.sum()), shift, blocks, block_window, block_size)
+        block_start = np.full(count + 1, -1, _I64)  # index -1 (no segment): sentinel
+        block_start[blocks] = woff[block_window] + shift[block_window] - block_size
+        seg_end = np.full(count + 1, -1, _I64)  # end of the segment's backward
+        seg_end[:count] = np.where(has_bwd, end[np.maximum(last_bwd, 0)], -1)
+        seg_stop = np.full(count + 1, -1, _I64)
+        seg_stop[:count] = stop_at
+        seg_lo = np.zeros(count + 1, _I64)
+        seg_lo[:count] = lo
 
-    def rng_stashes(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
-        """RNG states a random segment's checkpoint keeps: one from its forward to the end of
-        its backward, one while it recomputes."""
-        out: list[tuple[Position, int, int]] = []
-        size = self.trace.rng_state_bytes
-        if not preserve_rng or not size:
-            return out
-        for k, (first, _) in enumerate(self.segments):
-            if not preserve_rng[k]:
-                continue
-            tag = -(1 << 40) - k
-            out.append(((self.slot_of_window[self.forward_window[first]], -1.0), size, tag))
-            if k in self.last_backward_of_segment:
-                out.append((self.end_of(self.last_backward_of_segment[k]), -size, tag))
-            if k in self.recompute_slot:
-                slot = self.recompute_slot[k]
-                out.append(((slot, -1.0), size, tag))
-                out.append(((slot, float("inf")), -size, tag))
-        return out
+        def combined(pos: np.ndarray) -> np.ndarray:
+            return pos + shift[self._win_of_dense[pos]]
+
+        own = segment_of[self._f_producer]
+        # A checkpoint keeps its inputs: read or saved inside another segment -> held
+        # until that segment's backward is over.
+        hn = segment_of[self._held_node]
+        held_at = np.where((hn >= 0) & (hn != own[self._held_owner]), seg_end[hn], -1)
+        held = _group_max(held_at, self._held_group, nf)
+        free = np.maximum(self._f_free, held)  # freed in the forward: the eager free or held
+        kept_for_backward = ~self._f_in_forward_free
+        eager_kept = kept_for_backward & self._f_keep_eager
+        free[eager_kept] = self._f_free[eager_kept]
+        # Kept for backward and saved: the latest of kept savers' backward, held, last use.
+        sn = self._saver_node
+        kept_saver = (segment_of[np.minimum(sn, n - 1)] < 0) & (sn < decided) if n else sn < 0
+        reasons = _group_max(np.where(kept_saver, self._saver_kept_reason, -1), self._saver_group, nf)
+        rest = kept_for_backward & ~self._f_keep_eager
+        free[rest] = np.maximum(np.maximum(reasons, held), self._f_last_reader_end)[rest]
+        if np.any(free[rest] == -2):
+            raise KeyError("a reader of a forward allocation has no forward window")
+        keep = np.flatnonzero(free >= 0)
+        pos = [combined(free[keep])]
+        delta = [-self._f_size[keep]]
+        rank = [self._f_rank[keep] + 3] if ranks else []
+
+        # Recomputed copies of what segment nodes made.
+        copy = (own >= 0) & (block_start[own] >= 0)
+        copy &= ~((seg_stop[own] >= 0) & (self._f_event >= seg_stop[own]))
+        if copy.any():
+            inside = segment_of[np.minimum(sn, n - 1)] == own[self._saver_owner]
+            group = self._saver_group
+            has_inside = _group_max(inside.astype(_I64), group, nf) > 0
+            freer_inside = _group_max((inside & self._saver_freer).astype(_I64), group, nf) > 0
+            inside_end = _group_max(np.where(inside, self._saver_end, -1), group, nf)
+            rn = self._reader_node
+            same = segment_of[rn] == own[self._reader_owner]
+            last = np.maximum(_group_max(np.where(same, rn, -1), self._reader_group, nf),
+                              self._f_producer)
+            e = self._f_event
+            after_last = self._last_event_of_forward[last]
+            after_last = np.where(after_last >= 0, after_last, e)
+            freed_inside = segment_of[np.minimum(self._f_freed_node, max(n - 1, 0))] == own
+            freed_inside &= self._f_freed_node < n
+            # Free as an eager position (-1: inside the recompute) ...
+            eager_free = np.where(
+                has_inside, np.where(freer_inside, self._f_free, inside_end), -1
+            )
+            # ... or in half steps of the recompute (2x: event x, 2x+1: right after it).
+            half = np.where(
+                has_inside, 2 * e + 1,
+                np.where(freed_inside, 2 * self._f_free_event, 2 * after_last + 1),
+            )
+            early = seg_stop[own]
+            half = np.where((early >= 0) & (half > 2 * early - 1), 2 * early - 1, half)
+            c = np.flatnonzero(copy)
+            start, base = block_start[own[c]], 2 * seg_lo[own[c]]
+            in_block = eager_free[c] < 0
+            pos.append(start + 1 + 2 * e[c] - base)
+            pos.append(np.where(in_block, start + 1 + half[c] - base,
+                                combined(np.maximum(eager_free[c], 0))))
+            size = self._f_size[c]
+            delta += [size, -size]
+            if ranks:
+                rank += [self._f_rank[c] + 1, self._f_rank[c] + 2]
+
+        # RNG stashes.
+        rng = self.rng_state_bytes
+        if preserve_rng and rng:
+            stash = [k for k in range(count) if preserve_rng[k]]
+            if stash:
+                ks = np.asarray(stash, _I64)
+                window = self._fwd_window[firsts[ks]]
+                if np.any(window < 0):
+                    raise KeyError(int(firsts[ks][np.argmax(window < 0)]))
+                rbase = 4 * self._num_allocations + 4 * ks
+                pos.append(combined(woff[window]))
+                delta.append(np.full(len(ks), rng, _I64))
+                b = ks[has_bwd[ks]]
+                pos.append(combined(seg_end[b]))
+                delta.append(np.full(len(b), -rng, _I64))
+                r = ks[block_start[ks] >= 0]
+                size_of = np.zeros(count, _I64)
+                size_of[blocks] = block_size
+                pos += [block_start[r], block_start[r] + size_of[r] - 1]
+                delta += [np.full(len(r), rng, _I64), np.full(len(r), -rng, _I64)]
+                if ranks:
+                    rank += [rbase, 4 * self._num_allocations + 4 * b + 1,
+                             4 * self._num_allocations + 4 * r + 2,
+                             4 * self._num_allocations + 4 * r + 3]
+        return (
+            np.concatenate(pos),
+            np.concatenate(delta),
+            np.concatenate(rank) if ranks else None,
+            layout,
+            segs,
+        )
+
+    def _dense_peak(self, points: tuple) -> int:
+        pos, delta, _, layout, _ = points
+        out = np.zeros(layout.total, _I64)
+        if len(layout.blocks):
+            out[np.arange(self._dense) + layout.shift[self._win_of_dense]] = self._base
+        else:
+            out[: self._dense] = self._base
+        np.add.at(out, pos, delta)
+        top = int(np.cumsum(out).max()) if layout.total else 0
+        return self.static_bytes + max(0, top)
+
+    def _sorted(self, points: tuple):
+        """Every point in replay order: positions, running sums, slots, the slots' phases."""
+        pos, delta, rank, layout, segs = points
+        shift = layout.shift
+        base_pos = self._base_pos + shift[self._win_of_dense[self._base_pos]]
+        all_pos = np.concatenate((base_pos, pos))
+        all_rank = np.concatenate((self._base_rank, rank))
+        all_delta = np.concatenate((self._base_delta, delta))
+        scale = 4 * self._num_allocations + 4 * len(segs) + 4
+        key = np.sort(all_pos * scale + all_rank)
+        by_rank = np.zeros(scale, _I64)
+        by_rank[all_rank] = all_delta
+        cur = np.cumsum(by_rank[key % scale])
+        position = key // scale
+        # Slots: eager windows, a recompute slot before each block's window.
+        nw = len(self.windows)
+        before = np.zeros(nw, _I64)
+        before[layout.block_window] = 1
+        window_slot = np.arange(nw, dtype=_I64) + np.cumsum(before)
+        slot_of_pos = np.empty(layout.total, _I64)
+        eager = np.arange(self._dense) + shift[self._win_of_dense]
+        slot_of_pos[eager] = window_slot[self._win_of_dense]
+        is_block = np.ones(layout.total, bool)
+        is_block[eager] = False
+        slot_of_pos[is_block] = np.repeat(window_slot[layout.block_window] - 1, layout.block_size)
+        slot_phase: list[tuple[str, int]] = []
+        recompute = dict(zip(layout.block_window.tolist(), layout.blocks.tolist(), strict=True))
+        for w, win in enumerate(self.windows):
+            k = recompute.get(w)
+            if k is not None:
+                slot_phase.append(("recompute", segs[k][0]))
+            slot_phase.append((win.phase, win.node))
+        return position, cur, slot_of_pos[position], slot_phase, layout
+
+    def _slot_fclass(self, slot_phase: list[tuple[str, int]]) -> np.ndarray:
+        return np.fromiter(
+            (phase in (PROLOGUE, FORWARD, LOSS) for phase, _ in slot_phase),
+            dtype=bool, count=len(slot_phase),
+        )

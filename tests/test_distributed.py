@@ -9,8 +9,13 @@ measure one step at allocator level, and compares every rank with eager.
 from __future__ import annotations
 
 import json
+import time
+import traceback
 from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -19,12 +24,20 @@ import torch.distributed as dist
 
 import autockpt
 from autockpt.api import Planner
-from autockpt.distributed import _AllocationLedger, detect_units
-from autockpt.errors import AutockptError, ShardingError
+from autockpt.distributed import _AllocationLedger, _Failure, detect_units, measure_rank
+from autockpt.errors import AutockptError, InfeasibleBudgetError, ShardingError, TraceError
 from autockpt.plan import Plan
 from autockpt.runtime import default_loss
 from autockpt.zoo import block_stack, gpt
-from benchmarks.distributed import plan_case, reference, run_ranks, vit
+from benchmarks.distributed import (
+    DEFAULT_KWARGS,
+    STEP_SEED,
+    Case,
+    plan_case,
+    reference,
+    run_ranks,
+    vit,
+)
 
 WORLD_SIZE = 2
 CASES = (("gpt", "ddp"), ("gpt", "fsdp"), ("vit", "ddp"), ("vit", "fsdp"))
@@ -99,7 +112,7 @@ def test_plans_record_world_size_sharding_and_units(run):
 
 def test_units_stay_module_calls_and_segments_recompute_whole_units():
     model, batch = vit()
-    planner = Planner(model, batch, world_size=2, sharding="fsdp", calibrate=False)
+    planner = Planner(model, batch, world_size=2, sharding="fsdp")
     low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
     result = planner.optimize(budget_gb=(low + 0.3 * (high - low)) / 2**30, verify=False)
     calls: Counter[str] = Counter()
@@ -200,7 +213,7 @@ def test_budget_below_the_per_rank_minimum_names_the_engine_buffers():
     message = str(info.value)
     assert "parameters per rank of 2 (fsdp)" in message
     assert "FSDP all-gathered parameters" in message
-    planner = Planner(model, batch, world_size=2, sharding="fsdp", calibrate=False)
+    planner = Planner(model, batch, world_size=2, sharding="fsdp")
     assert info.value.minimum_bytes == planner.minimum_peak_bytes
 
 
@@ -271,3 +284,262 @@ def test_cli_plans_per_rank_and_rejects_bad_sharding_arguments(tmp_path, capsys)
     bad = [*args, "--fsdp-units", "layers.0,nope", "-o", str(out)]
     assert main(bad) == EXIT_USAGE
     assert "does not have: ['nope']" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# the torchrun pattern: every rank calls optimize; rank 0 plans, every rank applies its plan
+
+SPAWN_TIMEOUT_S = 300  # the whole spawn; a hung collective is killed and fails the test
+COLLECTIVE_TIMEOUT_S = 120  # gloo's own timeout, so a hung rank also errors out by itself
+
+
+def _rank_entry(
+    worker: Callable[..., dict[str, Any]], rank: int, world_size: int, out: str, args: tuple
+) -> None:
+    """A spawned rank: join the gloo group, run ``worker``, save what it returns (or the
+    traceback that stopped it) for the parent."""
+    result: dict[str, Any]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{Path(out).resolve() / 'rendezvous'}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        result = worker(rank, world_size, *args)
+    except BaseException:
+        result = {"crash": traceback.format_exc()}
+        raise
+    finally:
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def _spawn(worker: Callable[..., dict[str, Any]], args: tuple, out: Path) -> list[dict[str, Any]]:
+    """Run ``worker(rank, world_size, *args)`` on WORLD_SIZE gloo ranks; never hang: ranks
+    still running after SPAWN_TIMEOUT_S are killed and the test fails."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    procs = [
+        context.Process(target=_rank_entry, args=(worker, rank, WORLD_SIZE, str(out), args))
+        for rank in range(WORLD_SIZE)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for rank in hung:
+        procs[rank].kill()
+        procs[rank].join()
+    if hung:
+        pytest.fail(f"ranks {hung} still ran after {SPAWN_TIMEOUT_S} s: a collective hung")
+    results = []
+    for rank, proc in enumerate(procs):
+        path = out / f"rank{rank}.pt"
+        if not path.exists():
+            pytest.fail(f"rank {rank} exited with code {proc.exitcode} and saved nothing")
+        result = torch.load(path, weights_only=False)
+        if "crash" in result:
+            pytest.fail(f"rank {rank} failed:\n{result['crash']}")
+        results.append(result)
+    return results
+
+
+def _gpt_case(sharding: str) -> Case:
+    return Case(f"gpt-{sharding}", "gpt", dict(DEFAULT_KWARGS["gpt"]), sharding, "")
+
+
+def _wrap_as_users_do(model: torch.nn.Module, sharding: str) -> torch.nn.Module:
+    """docs/distributed.md's lines: DDP(model), or fully_shard each unit and then the root."""
+    if sharding == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
+
+    for name in model.plan.fsdp_units:
+        fully_shard(model.get_submodule(name))
+    fully_shard(model)
+    return model
+
+
+def _raised(call: Callable[[], Any]) -> dict[str, Any]:
+    """What ``call`` raised: class, message, attributes and notes (empty if it returned)."""
+    try:
+        call()
+    except Exception as error:
+        attributes = {k: v for k, v in vars(error).items() if k != "__notes__"}
+        return {
+            "type": f"{type(error).__module__}.{type(error).__qualname__}",
+            "message": str(error),
+            "attributes": attributes,
+            "notes": list(getattr(error, "__notes__", [])),
+        }
+    return {}
+
+
+def _torchrun_rank(rank: int, world_size: int, budgets: dict[str, float]) -> dict[str, Any]:
+    """One rank of a torchrun job: it calls autockpt.optimize itself, wraps the result, and
+    runs one step; then the failure cases, each of which must raise on every rank."""
+    results: dict[str, Any] = {}
+    for sharding in ("fsdp", "ddp"):
+        case = _gpt_case(sharding)
+        model, inputs = case.model_and_rank_batch(rank)
+        result = autockpt.optimize(
+            model, inputs, budget_gb=budgets[sharding], world_size=world_size, sharding=sharding
+        )
+        plan = result.plan
+        wrapped = _wrap_as_users_do(result, sharding)
+        torch.manual_seed(STEP_SEED)
+        loss = default_loss(wrapped(*inputs.args, **inputs.kwargs))
+        loss.backward()
+        grads = {}
+        for name, p in wrapped.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name.removeprefix("module.")] = grad.detach().clone()
+
+        def build(case: Case = case, plan: Plan = plan) -> tuple[torch.nn.Module, Any]:
+            model, inputs = case.model_and_rank_batch(rank)
+            return _wrap_as_users_do(autockpt.apply(model, plan), plan.sharding), inputs
+
+        _, _, measured = measure_rank(build)
+        results[sharding] = {
+            "plan_json": plan.to_json(),
+            "loss": loss.detach(),
+            "grads": grads,
+            "peak_bytes": measured.peak_bytes,
+            "world_size": measured.world_size,
+        }
+
+    model, inputs = _gpt_case("fsdp").model_and_rank_batch(rank)
+    results["infeasible"] = _raised(
+        lambda: autockpt.optimize(
+            model, inputs, budget_gb=1e-3, world_size=world_size, sharding="fsdp", verify=False
+        )
+    )
+    small, x = block_stack(blocks=4, width=32, batch=4)
+    results["world_size_too_large"] = _raised(
+        lambda: autockpt.optimize(small, x, budget_gb=1.0, world_size=4, sharding="ddp")
+    )
+    # Rank 1's model has a block fewer: it cannot apply rank 0's plan, so rank 0 fails too.
+    other, x = block_stack(blocks=4 - rank, width=32, batch=4)
+    results["different_model"] = _raised(
+        lambda: autockpt.optimize(other, x, budget_gb=1.0, verify=False)
+    )
+    # Rank 1 plans (plan_rank=1); rank 0 asked for another budget.
+    results["different_budget"] = _raised(
+        lambda: autockpt.optimize(small, x, budget_gb=1.0 + rank, verify=False, plan_rank=1)
+    )
+    # plan_rank=None: each rank plans its own batch (of another size: a broadcast plan would
+    # not fit rank 1's).
+    own, batch = block_stack(blocks=2, width=16, batch=3 + rank)
+    planned = autockpt.optimize(own, batch, budget_gb=1.0, verify=False, plan_rank=None)
+    results["plan_rank_none"] = planned.plan.input_signature
+    return results
+
+
+@pytest.fixture(scope="module")
+def torchrun(tmp_path_factory):
+    """Both ranks' results, the budgets and the eager references (one spawn)."""
+    budgets, references = {}, {}
+    for sharding in ("fsdp", "ddp"):
+        case = _gpt_case(sharding)
+        model, batch = case.build(0)
+        planner = Planner(model, batch, world_size=WORLD_SIZE, sharding=sharding)
+        low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+        budgets[sharding] = (low + 0.3 * (high - low)) / 2**30
+        references[sharding] = reference(case, WORLD_SIZE)
+    out = tmp_path_factory.mktemp("torchrun")
+    ranks = _spawn(_torchrun_rank, (budgets,), out)
+    return budgets, references, ranks
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_ranks_that_each_call_optimize_apply_one_plan_and_match_eager(torchrun, sharding):
+    _, references, ranks = torchrun
+    expected = references[sharding]
+    plans = [got[sharding]["plan_json"] for got in ranks]
+    assert plans[0] == plans[1], "every rank must checkpoint the same segments"
+    assert Plan.from_json(plans[0]).segments, "the budget was chosen to need checkpointing"
+    for rank, got in enumerate(ranks):
+        got = got[sharding]
+        torch.testing.assert_close(got["loss"], expected["losses"][rank], rtol=1e-5, atol=1e-6)
+        assert got["grads"].keys() == expected["grads"].keys()
+        for param, grad in expected["grads"].items():
+            torch.testing.assert_close(got["grads"][param], grad, rtol=1e-4, atol=1e-5, msg=param)
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "ddp"])
+def test_ranks_that_each_call_optimize_measure_under_the_budget(torchrun, sharding):
+    budgets, _, ranks = torchrun
+    plan = Plan.from_json(ranks[0][sharding]["plan_json"])
+    assert plan.budget_bytes == int(budgets[sharding] * 2**30)
+    assert (plan.world_size, plan.sharding) == (WORLD_SIZE, sharding)
+    for got in ranks:
+        assert got[sharding]["world_size"] == WORLD_SIZE
+        assert got[sharding]["peak_bytes"] <= plan.budget_bytes
+
+
+def test_a_planning_failure_on_rank_0_is_raised_on_every_rank(torchrun):
+    _, _, ranks = torchrun
+    first, second = (got["infeasible"] for got in ranks)
+    assert first["type"] == second["type"] == "autockpt.errors.InfeasibleBudgetError"
+    assert first["message"] == second["message"]
+    assert first["attributes"] == second["attributes"]  # minimum and breakdown included
+    assert first["attributes"]["minimum_bytes"] > first["attributes"]["budget_bytes"]
+    assert "FSDP all-gathered parameters" in first["attributes"]["breakdown"]
+    assert any("raised on rank 0 while planning" in note for note in second["notes"])
+
+
+def test_a_world_size_larger_than_the_group_is_refused_on_every_rank(torchrun):
+    _, _, ranks = torchrun
+    first, second = (got["world_size_too_large"] for got in ranks)
+    assert first["type"] == second["type"] == "autockpt.errors.ShardingError"
+    assert first["message"] == second["message"]
+    assert "world_size=4 does not fit the process group of 2 ranks" in first["message"]
+
+
+def test_a_rank_that_cannot_apply_the_plan_fails_every_rank(torchrun):
+    _, _, ranks = torchrun
+    first, second = (got["different_model"] for got in ranks)
+    assert first["type"] == second["type"] == "autockpt.errors.PlanMismatchError"
+    assert first["message"] == second["message"]
+    assert "different graph" in first["message"]
+    assert any("raised on rank 1 while applying the plan of rank 0" in n for n in first["notes"])
+
+
+def test_ranks_asking_for_different_plans_fail_every_rank(torchrun):
+    _, _, ranks = torchrun
+    first, second = (got["different_budget"] for got in ranks)
+    assert first["type"] == second["type"] == "autockpt.errors.ShardingError"
+    assert first["message"] == second["message"]
+    assert "budget_gb=1.0 here, 2.0 on rank 1" in first["message"]
+
+
+def test_plan_rank_none_plans_on_every_rank_separately(torchrun):
+    _, _, ranks = torchrun
+    # Each rank's plan is made for its own batch (3 and 4 rows): nothing was broadcast.
+    assert [got["plan_rank_none"] for got in ranks] == [
+        "(['Tensor[3, 16]:float32'], {})",
+        "(['Tensor[4, 16]:float32'], {})",
+    ]
+
+
+def test_a_failure_crosses_ranks_with_its_class_message_and_attributes():
+    errors = [
+        InfeasibleBudgetError(1000, 5000, {"parameters": 4000}, "total", "Raise it."),
+        TraceError("h.0", "model.py:12", "if x.sum() > 0:", "data-dependent branch"),
+        ShardingError("bad world_size"),
+        KeyError("h.9"),
+    ]
+    for error in errors:
+        again = _Failure.of(error, 0, "planning").rebuild()
+        assert type(again) is type(error)
+        assert str(again) == str(error)
+        assert {k: v for k, v in vars(again).items() if k != "__notes__"} == vars(error)
+    again = _Failure.of(errors[0], 0, "planning").rebuild()
+    assert again.minimum_gb == errors[0].minimum_gb and again.breakdown == {"parameters": 4000}

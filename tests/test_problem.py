@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from autockpt.api import _buffers_used
-from autockpt.problem import Chain, build_chain
+from autockpt.problem import Chain, NodeRange, StageRange, build_chain
 from autockpt.profile import Profile, profile
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.trace import Capture, Inputs, capture
@@ -121,8 +121,6 @@ def test_input_bytes_are_the_tensors_crossing_each_cut(stack):
             assert inputs[k] == BATCH * WIDTH * F32
         else:  # inside a block: the hidden activation, BATCH x 2*WIDTH
             assert inputs[k] == BATCH * 2 * WIDTH * F32
-        assert inputs[k] == sum(prof.storage_bytes[s] for s in chain.boundary_storages[k])
-        assert len(chain.boundary_storages[k]) == 1
 
 
 def test_stage_numbers_fold_the_profile(stack):
@@ -159,6 +157,50 @@ def test_capped_cuts_prefer_few_crossing_bytes(stack):
     chain = build_chain(cap, prof, max_stages=BLOCKS)
     assert chain.stages == tuple((3 * k, 3 * k + 3) for k in range(BLOCKS))
     assert all(b == BATCH * WIDTH * F32 for b in chain.problem.input_bytes[1:])
+
+
+def test_stages_are_node_ranges_and_block_ranges_map_to_stage_ranges(stack):
+    cap, prof = stack
+    chain = build_chain(cap, prof, max_stages=BLOCKS)
+    assert all(type(stage) is NodeRange for stage in chain.stages)
+    assert chain.stages[1].first == chain.stages[0].stop == 3
+    assert type(chain.node_range(1, 3)) is NodeRange and chain.node_range(1, 3) == (3, 9)
+    blocks = [(3 * k, 3 * k + 3) for k in range(BLOCKS)]
+    assert chain.stage_ranges_for(blocks) == tuple(StageRange(k, k + 1) for k in range(BLOCKS))
+    assert chain.stage_ranges_for([(0, 6), (9, 12)]) == (StageRange(0, 2), StageRange(3, 4))
+    assert chain.stage_ranges_for([]) == ()
+    # 4 and 5 are not cuts of this chain; a range ending where it starts is no segment
+    assert chain.stage_ranges_for([(0, 3), (4, 6)]) is None
+    assert chain.stage_ranges_for([(3, 5)]) is None
+    assert chain.stage_ranges_for([(3, 3)]) is None
+
+
+def test_required_cuts_are_kept_first_then_the_cheapest(stack):
+    """Cuts inside a block cost 2*WIDTH floats, block boundaries WIDTH: under a cap, the
+    required cuts come first and the remaining room goes to the cheapest others."""
+    cap, prof = stack
+    n = 3 * BLOCKS
+    chain = build_chain(cap, prof, max_stages=4, required_cuts=[1, 10])
+    assert [stage.first for stage in chain.stages] == [0, 1, 3, 10]
+    _assert_covers(chain, n)
+    # more required cuts than the cap allows: all kept, nothing else added
+    required = [1, 2, 4, 5, 7]
+    chain = build_chain(cap, prof, max_stages=3, required_cuts=required)
+    assert [stage.first for stage in chain.stages] == [0, *required]
+    # positions outside (0, n) are no cuts, and repeats count once
+    chain = build_chain(cap, prof, max_stages=3, required_cuts=[0, 5, 5, n, n + 3])
+    assert [stage.first for stage in chain.stages] == [0, 3, 5]
+
+
+def test_a_required_cut_the_in_place_rule_forbids_is_left_out():
+    torch.manual_seed(0)
+    cap, prof = _pipeline(LateInPlace(WIDTH), torch.randn(BATCH, WIDTH))
+    names = [node.name for node in cap.compute_nodes()]
+    producer, mutation = names.index("a"), names.index("add_")
+    chain = build_chain(cap, prof, max_stages=3, required_cuts=[producer + 1, mutation + 1])
+    assert [stage.first for stage in chain.stages] == [0, mutation + 1, mutation + 2]
+    assert chain.stage_ranges_for([(producer + 1, mutation + 1)]) is None
+    assert chain.stage_ranges_for([(0, mutation + 1)]) is not None
 
 
 def test_no_cut_between_a_tensor_and_its_later_in_place_mutation():

@@ -276,7 +276,7 @@ def test_default_loss_without_a_differentiable_tensor_says_to_pass_loss_fn(outpu
 def test_meta_device_profile_estimates_times_from_flops_and_sees_saved_storages():
     """On the meta device nothing runs for real: saved storages are still found (by storage
     identity, every meta address being 0), times come from FLOPs, dropout counts as random."""
-    from autockpt.profile import ESTIMATED_FLOPS_PER_SECOND
+    from autockpt.profile import NOMINAL_RATES, estimated_seconds
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 8))
@@ -286,7 +286,12 @@ def test_meta_device_profile_estimates_times_from_flops_and_sees_saved_storages(
     assert prof.times_estimated and prof.device == "meta"
     first = prof.nodes[0]
     assert first.flops == 2 * 64 * 256 * 512
-    assert first.forward_seconds == first.flops / ESTIMATED_FLOPS_PER_SECOND
+    # the cost model's roofline: reads x and the output's bytes, writes the output
+    traffic = 4 * (64 * 256 + 64 * 512)
+    assert first.forward_seconds == first.cost_seconds == estimated_seconds(
+        first.flops, traffic, "meta"
+    )
+    assert first.cost_seconds > first.flops / NOMINAL_RATES["meta"][0]
     assert first.backward_seconds == 2 * first.forward_seconds
     assert [node.random for node in prof.nodes] == [False, False, True, False]
     # ReLU saves its output (64 x 512 floats); dropout saves its mask; the last Linear its input

@@ -20,7 +20,7 @@ from autockpt.zoo import (
     DEFAULT_MODEL,
     HEAVY_ZOO,
     ZOO,
-    DataDependentRouter,
+    ShapeDependentRouter,
     call_example,
     seed_block_stack,
 )
@@ -161,7 +161,7 @@ def test_fx_fails_on_untraceable_submodule_unless_leaf() -> None:
 
     class LeafTracer(torch.fx.Tracer):
         def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-            return isinstance(m, DataDependentRouter) or super().is_leaf_module(m, qualname)
+            return isinstance(m, ShapeDependentRouter) or super().is_leaf_module(m, qualname)
 
     gm = torch.fx.GraphModule(model, LeafTracer().trace(model))
     targets = {n.target for n in gm.graph.nodes if n.op == "call_module"}

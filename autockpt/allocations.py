@@ -1,0 +1,216 @@
+"""The one recording layer for allocations: what the allocator reports, and what operators
+return.
+
+Two witnesses, used together by the profile's probe (see ``autockpt/profile.py``) and alone
+elsewhere:
+
+* :func:`allocator_events` reads the PyTorch profiler's allocator events (``profile_memory=
+  True``): every allocation and free the device's allocator makes, kernel workspaces
+  included. This is the truth ``autockpt.measure`` reports and budgets are judged by.
+* :class:`StorageTracker` is a dispatch mode that sees every storage an operator returns
+  and, through a weak reference, when it dies. It works on fake and meta tensors (where no
+  allocator exists), which is how a step is recorded without allocating it
+  (``autockpt/record.py``); on real tensors the difference between the two witnesses over a
+  stretch of work is the kernels' private workspace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autockpt.runtime import tensors_in
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from autockpt.trace import Inputs
+
+__all__ = [
+    "AllocatorEvent",
+    "Mark",
+    "StorageTracker",
+    "allocator_events",
+    "marks",
+    "peak_above_start",
+]
+
+
+@dataclass(frozen=True)
+class AllocatorEvent:
+    """One allocation (``nbytes > 0``) or free (``nbytes < 0``) of the device allocator."""
+
+    time_ns: int
+    ptr: int
+    nbytes: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A ``record_function`` range of a profiler session."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+
+
+def _walk(prof: Any) -> list[Any]:
+    """Every event of a session, pre-order with siblings in recorded order (a stable sort by
+    time then keeps events that share a timestamp in the order they happened)."""
+    out: list[Any] = []
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(reversed(node.children))
+    return out
+
+
+def allocator_events(prof: Any, device_type: str = "cpu") -> list[AllocatorEvent]:
+    """The allocator events of ``device_type`` in a finished profiler session, in time
+    order. (Allocator events of every device come through the CPU activity.)"""
+    allocation = torch._C._profiler._EventType.Allocation
+    found = []
+    for node in _walk(prof):
+        if node.tag == allocation:
+            fields = node.extra_fields
+            if fields.device.type == device_type and fields.alloc_size:
+                found.append(
+                    AllocatorEvent(
+                        node.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated
+                    )
+                )
+    found.sort(key=lambda event: event.time_ns)
+    return found
+
+
+def marks(prof: Any, prefix: str) -> list[Mark]:
+    """The ``record_function`` ranges whose name starts with ``prefix``, in start order."""
+    found = [
+        Mark(node.name, node.start_time_ns, node.end_time_ns)
+        for node in _walk(prof)
+        if node.name.startswith(prefix)
+    ]
+    found.sort(key=lambda mark: mark.start_ns)
+    return found
+
+
+def peak_above_start(deltas: list[int]) -> int:
+    """The highest running sum of ``deltas`` (0 if it never rises above the start)."""
+    current = peak = 0
+    for delta in deltas:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+class StorageTracker(TorchDispatchMode):
+    """Sees every storage an operator returns (an allocation) and, through a weak reference,
+    when it dies (a free). Events carry the current ``window``; in backward, the window is
+    looked up from the running autograd node's sequence number (``backward_window_of``).
+
+    ``events`` holds ``(allocation id, window)`` pairs, the first occurrence of an id being
+    its allocation, the second its free; ``sizes[id]`` its bytes. Storages in
+    ``static_ids`` (parameters, buffers, inputs: alive for the whole step) are not events.
+    """
+
+    def __init__(self, static_ids: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        super().__init__()
+        self.static_ids = set(static_ids)
+        self.ids: dict[int, int] = {}  # id(storage) -> allocation id
+        self.sizes: list[int] = []
+        self.events: list[tuple[int, int]] = []
+        self.window = 0
+        self.backward_window_of: Any = None  # sequence number -> window index
+
+    def key(self, t: torch.Tensor) -> int | None:
+        return self.ids.get(id(t.untyped_storage()))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.backward_window_of is not None:
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                w = self.backward_window_of(node._sequence_nr())
+                if w is not None:
+                    self.window = w
+        out = func(*args, **(kwargs or {}))
+        for t in tensors_in(out):
+            storage = t.untyped_storage()
+            sid = id(storage)
+            if sid in self.ids or sid in self.static_ids or storage.nbytes() == 0:
+                continue
+            a = len(self.sizes)
+            self.ids[sid] = a
+            self.sizes.append(storage.nbytes())
+            self.events.append((a, self.window))
+            weakref.finalize(storage, self._free, sid, a)
+        return out
+
+    def _free(self, sid: int, a: int) -> None:
+        if self.ids.get(sid) == a:
+            del self.ids[sid]
+        self.events.append((a, self.window))
+
+    def deltas_by_window(self) -> dict[int, list[int]]:
+        """Signed byte changes per window, in order."""
+        seen: set[int] = set()
+        out: dict[int, list[int]] = {}
+        for a, w in self.events:
+            out.setdefault(w, []).append(-self.sizes[a] if a in seen else self.sizes[a])
+            seen.add(a)
+        return out
+
+
+@contextlib.contextmanager
+def profiler_session() -> Iterator[Any]:
+    """A CPU-activity profiler session with allocator events (``profile_memory``), started
+    and stopped without the profiler's native chatter on stderr. Read it after the block
+    with :func:`allocator_events` and :func:`marks`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    session = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with quiet_native_stderr():
+        session.start()
+    try:
+        yield session
+    finally:
+        with quiet_native_stderr():
+            session.stop()
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Silence the profiler's native start/stop chatter, which is written straight to file
+    descriptor 2 (no Python logging switch reaches it)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def static_tensor_bytes(model: nn.Module, inputs: Inputs) -> int:
+    """Bytes of the distinct storages of parameters, buffers and input tensors: what lives
+    for the whole step whatever the plan (real, fake or meta tensors alike; storages are
+    told apart by identity, which their tensors keep alive here)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()) + inputs.tensors():
+        storage = t.untyped_storage()
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            total += storage.nbytes()
+    return total

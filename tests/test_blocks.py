@@ -1,0 +1,406 @@
+"""Repeated blocks: one finder, the node ranges each block runs, and the per-block plan
+("checkpoint every layer") always in the chain's plan space, training exactly like eager."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from autockpt.api import _buffers_used
+from autockpt.blocks import (
+    RepeatedBlocks,
+    block_cut_positions,
+    block_node_ranges,
+    find_repeated_blocks,
+)
+from autockpt.distributed import detect_units
+from autockpt.errors import ShardingError
+from autockpt.problem import DEFAULT_MAX_STAGES, Chain, NodeRange, StageRange, build_chain
+from autockpt.profile import Profile, profile
+from autockpt.rewrite import SegmentSpec, rewrite
+from autockpt.trace import Capture, Inputs, capture
+from autockpt.zoo import ZOO
+from tests.conftest import assert_same_step, train_step
+
+SMALL_MAX_STAGES = 8
+
+# -- models ----------------------------------------------------------------------------------
+
+
+class DenseLayer(nn.Module):
+    """DenseNet layer: reads the concatenation of *every* earlier feature map, so the tensors
+    crossing a block boundary grow with depth and block boundaries are the most expensive
+    cuts of the graph (the cheapest-cuts rule alone never picks them)."""
+
+    def __init__(self, in_channels: int, growth: int) -> None:
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(in_channels)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(in_channels, 2 * growth, 1, bias=False)
+        self.norm2 = nn.BatchNorm2d(2 * growth)
+        self.relu2 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(2 * growth, growth, 3, 1, 1, bias=False)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        x = torch.cat(features, 1)
+        return self.conv2(self.relu2(self.norm2(self.conv1(self.relu1(self.norm1(x))))))
+
+
+class DenseNet(nn.Module):
+    def __init__(self, layers: int, channels: int = 8, growth: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, 1, 1)
+        self.layers = nn.ModuleList(
+            DenseLayer(channels + k * growth, growth) for k in range(layers)
+        )
+        self.head = nn.Linear(channels + layers * growth, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [self.stem(x)]
+        for layer in self.layers:
+            features.append(layer(features))
+        return self.head(torch.cat(features, 1).mean((2, 3)))
+
+
+class InPlaceResidual(nn.Module):
+    """Pre-norm MLP block whose residual add is in place on the block's *own* output: the
+    mutated tensor is produced and mutated inside the block, so no block boundary lies
+    between them."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x)))).add_(x)
+
+
+class InPlaceStream(nn.Module):
+    """A residual stream updated in place: the block adds into its *input*. Legal in eager
+    (nothing saves ``x``: dropout saves its mask, the Linear its dropped copy)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(self.fc(self.drop(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, block: type[nn.Module], width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(block(width) for _ in range(depth))
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class CheckpointEachBlock(nn.Module):
+    """What people write by hand: ``checkpoint(block, x)`` for every block."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def _dense(layers: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return DenseNet(layers).train(), torch.randn(2, 3, 8, 8)
+
+
+def _stack(block: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Stack(block).train(), torch.randn(4, 16)
+
+
+# -- the finder --------------------------------------------------------------------------------
+
+
+def _linears(count: int, width: int) -> nn.ModuleList:
+    return nn.ModuleList(nn.Linear(width, width) for _ in range(count))
+
+
+def test_finder_picks_the_same_class_container_with_most_parameters():
+    model = nn.Module()
+    model.stem = nn.Sequential(nn.Linear(64, 64), nn.ReLU())  # mixed classes: a pipeline
+    model.small = _linears(3, 4)
+    model.body = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8)) for _ in range(2)))
+    model.acts = nn.ModuleList(nn.ReLU() for _ in range(5))  # no parameters: not layers
+    model.big = _linears(2, 16)
+    assert find_repeated_blocks(model) == RepeatedBlocks("big", ("big.0", "big.1"))
+    assert detect_units(model) == ("big.0", "big.1")
+
+
+def test_finder_ties_go_to_more_children_then_the_smallest_name():
+    model = nn.Module()
+    model.b = _linears(2, 4)  # registered first: traversal order must not decide
+    model.a = _linears(2, 4)
+    assert find_repeated_blocks(model).container == "a"
+    model.c = nn.ModuleList(nn.Linear(4, 2) for _ in range(4))  # as many parameters
+    assert sum(p.numel() for p in model.c.parameters()) == sum(
+        p.numel() for p in model.a.parameters()
+    )
+    assert find_repeated_blocks(model).container == "c"
+
+
+def test_finder_root_container_and_models_without_blocks():
+    root = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    assert find_repeated_blocks(root) == RepeatedBlocks("", ("0", "1", "2"))
+    flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.ModuleList([nn.ReLU(), nn.ReLU()]))
+    assert find_repeated_blocks(flat) is None
+    assert block_node_ranges(capture(flat, Inputs.of(torch.randn(2, 4))), None) == ()
+    with pytest.raises(ShardingError, match="found no repeated blocks"):
+        detect_units(flat)
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet", "mlp_mixer", "two_in_two_out", "kwargs_model"])
+def test_one_finder_for_fsdp_units_and_blocks(name):
+    model, _ = ZOO[name]()
+    blocks = find_repeated_blocks(model)
+    assert blocks is not None and detect_units(model) == blocks.children
+    assert all(
+        type(model.get_submodule(c)) is type(model.get_submodule(blocks.children[0]))
+        for c in blocks.children
+    )
+
+
+# -- node ranges -------------------------------------------------------------------------------
+
+
+def _module_paths(node: torch.fx.Node) -> list[str]:
+    paths = [value[0] for value in (node.meta.get("nn_module_stack") or {}).values()]
+    return paths + ([str(node.target)] if node.op == "call_module" else [])
+
+
+def _inside(node: torch.fx.Node, child: str) -> bool:
+    return any(p == child or p.startswith(f"{child}.") for p in _module_paths(node))
+
+
+def _assert_ranges_are_the_blocks(cap: Capture, blocks: RepeatedBlocks) -> tuple[NodeRange, ...]:
+    """One range per block, in order, each holding exactly that block's nodes."""
+    nodes = cap.compute_nodes()
+    ranges = block_node_ranges(cap, blocks)
+    assert len(ranges) == len(blocks.children)
+    for child, (first, stop) in zip(blocks.children, ranges, strict=True):
+        assert first < stop
+        assert all(_inside(node, child) for node in nodes[first:stop]), child
+    covered = {i for first, stop in ranges for i in range(first, stop)}
+    for i, node in enumerate(nodes):
+        if i not in covered:
+            assert not any(_inside(node, child) for child in blocks.children), node.name
+    return ranges
+
+
+def test_ranges_from_fx_and_leaf_blocks():
+    model, x = ZOO["resnet"]()
+    blocks = find_repeated_blocks(model)
+    assert blocks == RepeatedBlocks("stages", tuple(f"stages.{k}" for k in range(6)))
+    cap = capture(model, Inputs.of(x))
+    ranges = _assert_ranges_are_the_blocks(cap, blocks)
+    # a block captured as a leaf is one call_module node, and still a block
+    leafy = capture(model, Inputs.of(x), leaf_modules=("stages.1",))
+    leaf_ranges = _assert_ranges_are_the_blocks(leafy, blocks)
+    assert leaf_ranges[1].stop - leaf_ranges[1].first == 1
+    assert len(leafy.compute_nodes()) < len(cap.compute_nodes())
+    # block ranges are adjacent here: one cut between two blocks, plus the outer two
+    assert block_cut_positions(cap, blocks) == tuple(
+        sorted({*(r.first for r in ranges), ranges[-1].stop})
+    )
+    # the whole container as one leaf: no block has nodes of its own
+    assert block_node_ranges(capture(model, Inputs.of(x), leaf_modules=("stages",)), blocks) == ()
+
+
+def test_ranges_from_an_export_graph(hf_gpt2):
+    assert hf_gpt2.capture.method == "export"
+    assert hf_gpt2.blocks == RepeatedBlocks("transformer.h", ("transformer.h.0", "transformer.h.1"))
+    _assert_ranges_are_the_blocks(hf_gpt2.capture, hf_gpt2.blocks)
+
+
+def test_blocks_not_called_or_interleaved_are_left_out():
+    class Partial(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = _linears(3, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks[1](torch.relu(self.blocks[0](x)))  # blocks.2 is never called
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = _linears(3, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.blocks[0](x)
+            x = self.blocks[1](x)  # blocks.0 runs again after it: their spans overlap
+            return self.blocks[2](self.blocks[0](x))
+
+    x = torch.randn(2, 4)
+    partial = Partial()
+    blocks = find_repeated_blocks(partial)
+    assert block_node_ranges(capture(partial, Inputs.of(x)), blocks) == ((0, 1), (2, 3))
+    shared = Shared()
+    cap = capture(shared, Inputs.of(x))
+    assert block_node_ranges(cap, find_repeated_blocks(shared)) == ((3, 4),)
+    assert block_cut_positions(cap, find_repeated_blocks(shared)) == (3,)
+
+
+# -- the per-block plan is in the plan space and trains like eager ---------------------------
+
+
+@dataclass
+class Case:
+    model: nn.Module
+    example: Any
+    capture: Capture
+    profile: Profile
+    blocks: RepeatedBlocks
+    ranges: tuple[NodeRange, ...]
+    cuts: tuple[int, ...]
+
+    def chain(self, max_stages: int = DEFAULT_MAX_STAGES, required: bool = True) -> Chain:
+        return build_chain(
+            self.capture,
+            self.profile,
+            max_stages=max_stages,
+            required_cuts=self.cuts if required else (),
+        )
+
+    def specs(self, ranges: tuple[NodeRange, ...]) -> list[SegmentSpec]:
+        nodes = self.capture.compute_nodes()
+        mutated = set(self.profile.mutated_buffers)
+        return [
+            SegmentSpec(
+                first,
+                stop,
+                any(self.profile.nodes[i].random for i in range(first, stop)),
+                _buffers_used(nodes[first:stop], mutated),
+            )
+            for first, stop in ranges
+        ]
+
+
+def _case(model: nn.Module, example: Any, method: str | None = None) -> Case:
+    torch.manual_seed(0)
+    inputs = Inputs.of(example)
+    cap = capture(model, inputs, method=method)
+    prof = profile(model, cap, inputs, repeat=1)
+    blocks = find_repeated_blocks(model)
+    assert blocks is not None
+    ranges = _assert_ranges_are_the_blocks(cap, blocks)
+    return Case(model, example, cap, prof, blocks, ranges, block_cut_positions(cap, blocks))
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2() -> Case:
+    pytest.importorskip("transformers")
+    from autockpt.zoo_hf import HF_ZOO
+
+    return _case(*HF_ZOO["hf_gpt2"]())
+
+
+def _assert_per_block_plan_reachable(case: Case) -> None:
+    """At the default stage cap and at a small one, the chain built with the blocks'
+    required cuts has stage ranges covering exactly each block; checkpointing each block
+    through those stage ranges trains exactly like eager."""
+    for max_stages in (DEFAULT_MAX_STAGES, SMALL_MAX_STAGES):
+        chain = case.chain(max_stages)
+        assert chain.num_stages <= max(max_stages, len(case.cuts) + 1)
+        assert all(isinstance(stage, NodeRange) for stage in chain.stages)
+        stage_ranges = chain.stage_ranges_for(case.ranges)
+        assert stage_ranges is not None, (max_stages, case.cuts, chain.stages)
+        assert all(isinstance(r, StageRange) for r in stage_ranges)
+        assert tuple(chain.node_range(*r) for r in stage_ranges) == case.ranges
+    per_block = tuple(chain.node_range(*r) for r in stage_ranges)
+    fast = rewrite(case.model, case.capture, case.specs(per_block))
+    assert_same_step(
+        train_step(copy.deepcopy(case.model), case.example), train_step(fast, case.example)
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_per_block_plan_is_reachable_on_zoo_models(name):
+    model, example = ZOO[name]()
+    case = _case(model, example)
+    _assert_per_block_plan_reachable(case)
+    # without the required cuts, a small cap loses block boundaries: the test can fail
+    assert case.chain(SMALL_MAX_STAGES, required=False).stage_ranges_for(case.ranges) is None
+
+
+def test_per_block_plan_is_reachable_on_a_hugging_face_model(hf_gpt2):
+    _assert_per_block_plan_reachable(hf_gpt2)
+
+
+def test_per_block_plan_is_reachable_on_a_densenet():
+    """Every block boundary carries all earlier features, so the fewest-bytes rule alone
+    drops block boundaries first when the stage cap bites."""
+    model, x = _dense(8)
+    case = _case(model, x)
+    assert case.chain(SMALL_MAX_STAGES, required=False).stage_ranges_for(case.ranges) is None
+    _assert_per_block_plan_reachable(case)
+    # more required cuts than the cap allows: they are all kept
+    assert case.chain(SMALL_MAX_STAGES).num_stages == len(case.cuts) + 1 > SMALL_MAX_STAGES
+
+
+@pytest.mark.slow
+def test_per_block_plan_is_reachable_on_a_deep_densenet():
+    """48 dense layers: ~340 nodes, more than the default stage cap, and the default cap
+    alone loses block boundaries (as on T5 with 4+ layers)."""
+    model, x = _dense(48)
+    case = _case(model, x)
+    assert len(case.capture.compute_nodes()) > DEFAULT_MAX_STAGES
+    assert case.chain(required=False).stage_ranges_for(case.ranges) is None
+    _assert_per_block_plan_reachable(case)
+
+
+@pytest.mark.parametrize("method", [None, "export"])
+def test_in_place_adds_inside_a_block_leave_its_boundaries_cuts(method):
+    """``h.add_(x)`` mutates a tensor the block made itself: the in-place rule forbids the
+    cut between its producer and the add (inside the block), never a block boundary."""
+    model, x = _stack(InPlaceResidual)
+    case = _case(model, x, method)
+    assert case.capture.method == (method or "fx")
+    mutating = [i for i, node in enumerate(case.profile.nodes) if node.mutates]
+    assert len(mutating) == len(case.blocks.children)
+    chain = case.chain()
+    starts = {stage.first for stage in chain.stages}
+    assert not starts & set(mutating)  # the rule is in force inside each block
+    _assert_per_block_plan_reachable(case)
+
+
+def test_a_block_that_mutates_its_input_cannot_be_checkpointed():
+    """When a block adds into its *input* in place, every boundary it reads across is
+    forbidden, and rightly: checkpoint keeps a segment's inputs to recompute from, and this
+    one is changed after it was kept. Checkpointing each block by hand fails the same way,
+    so the per-block plan is not a plan at all and the chain correctly leaves it out."""
+    model, x = _stack(InPlaceStream)
+    case = _case(model, x)
+    chain = case.chain()
+    block_starts = {first for first, _ in case.ranges}
+    assert len(block_starts) == 4 and not {stage.first for stage in chain.stages} & block_starts
+    assert chain.stage_ranges_for(case.ranges) is None
+    by_hand = copy.deepcopy(model)
+    for k, block in enumerate(by_hand.blocks):
+        by_hand.blocks[k] = CheckpointEachBlock(block)
+    train_step(copy.deepcopy(model), x)  # eager is fine
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        train_step(by_hand, x)
