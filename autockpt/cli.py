@@ -452,7 +452,7 @@ def _demo(args: argparse.Namespace) -> int:
         fast = planner.optimize(budget_gb=budget_gb, solver=args.solver)
         plan = fast.plan
         progress.stage("measuring")
-        eager = planner.eager or measure(model, x)
+        eager = measure(model, x)
         checked = measure(fast, x)
     say("")
     say(plan.summary())

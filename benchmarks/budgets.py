@@ -76,7 +76,7 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
             warnings.simplefilter("ignore")
             planner = Planner(model, inputs)
         profile_seconds = time.perf_counter() - started
-        eager_peak = planner.eager.peak_bytes
+        eager_peak = measure(model, inputs, repeat=1).peak_bytes
         low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
         for fraction in fractions:
             budget = int(low + fraction * (high - low))

@@ -56,13 +56,14 @@ def test_held_out_encoder_stack_within_five_percent():
 
 
 def test_replay_without_segments_is_the_measured_eager_step():
-    """Recording and replaying the unmodified step reproduces the allocator's own peak."""
+    """A step recorded on fake tensors plus the probe's workspaces, replayed without
+    segments, reproduces the allocator's own peak of the real step (which planning never
+    ran)."""
     model, example = ZOO["root_shape_branch"]()
-    inputs = Inputs.of(example)
-    trace = record_trace(model, capture(model, inputs), inputs)
-    measured = autockpt.measure(model, inputs, repeat=1).peak_bytes
-    assert trace.source == "allocator"
-    assert abs(trace.eager_peak_bytes() - measured) <= 0.01 * measured
+    planner = _planner(model, example)
+    measured = autockpt.measure(model, example, repeat=1).peak_bytes
+    assert planner.trace.source == "storages"
+    assert abs(planner.trace.eager_peak_bytes() - measured) <= 0.001 * measured
 
 
 def test_every_plan_is_judged_by_the_simulator():
@@ -158,7 +159,8 @@ def test_activations_scope_predicts_what_lies_above_the_static_part():
         warnings.simplefilter("ignore")
         planner = Planner(model, inputs, scope="activations")
     fixed = planner.profile.static_bytes + planner.profile.param_grad_bytes
-    assert planner.no_checkpoint_peak_bytes < planner.eager.peak_bytes - fixed + 4096
+    eager = autockpt.measure(model, inputs, repeat=1).peak_bytes
+    assert planner.no_checkpoint_peak_bytes == eager - fixed
     budget = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) // 2
     fast = planner.optimize(budget_gb=budget / GIB)
     used = autockpt.measure(fast, inputs, repeat=1).peak_bytes - fixed
