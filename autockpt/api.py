@@ -13,12 +13,14 @@ when both the prediction and the measurement fit.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from autockpt.blocks import block_cut_positions, find_repeated_blocks
 from autockpt.distributed import (
     RANK_MARGIN_BYTES,
     Sharding,
@@ -157,21 +159,27 @@ class Planner:
         # checkpoint segments hold whole units (autockpt.distributed explains why).
         given_leaves = tuple(leaf_modules)
         leaves = given_leaves + tuple(u for u in self.sharding.units if u not in given_leaves)
-        self.progress("capturing the graph")
+        self.phase_seconds: dict[str, float] = {}
+        """Wall seconds per planning phase (capture, profile, record, search, verify)."""
+        self._phase("capture", "capturing the graph")
         self.capture = capture(model, self.inputs, leaf_modules=leaves)
         check_units_called(self.capture, self.sharding.units)
         # Planning fits where the plan fits: sizes come from a step on fake tensors, kernel
         # workspaces and times from a probe that runs one node at a time on the device
         # (autockpt/profile.py notes 1-3); the un-checkpointed step never runs for real.
-        self.progress("profiling (fake tensors, then node by node on the device)")
+        self._phase("profile", "profiling (fake tensors, then node by node on the device)")
         self.profile = profile(model, self.capture, self.inputs, loss_fn=loss_fn)
         # On the meta device tensors have shapes and no data: plan from the graph alone
         # (cost-model times, no workspaces), nothing to measure or verify.
         self.meta = self.profile.device == "meta"
+        self.blocks = find_repeated_blocks(model)
         chain = build_chain(
             self.capture, self.profile, max_stages=max_stages,
             static_bytes=0 if scope == "activations" else None,
             segment_overhead_seconds=self.profile.segment_overhead_seconds,
+            # every repeated block's boundaries are cuts: the per-block hand plan is
+            # always in the plan space (autockpt/blocks.py)
+            required_cuts=block_cut_positions(self.capture, self.blocks),
         )
         if scope == "activations":
             zeros = tuple(0 for _ in chain.problem.param_grad_bytes)
@@ -181,7 +189,7 @@ class Planner:
         self.chain = chain
         # The plan simulator: one step's allocations (fake tensors plus measured workspaces),
         # replayed under each plan.
-        self.progress("recording one step on fake tensors for the plan simulator")
+        self._phase("record", "recording one step on fake tensors for the plan simulator")
         nodes = self.profile.nodes
         self.trace = record_trace(
             model, self.capture, self.inputs, loss_fn=loss_fn,
@@ -203,6 +211,7 @@ class Planner:
             )
             if scope == "total":  # sharding changes only what "activations" leaves out
                 self.chain = dataclasses.replace(chain, problem=sharded)
+        self._phase("search", "searching the leanest plan")
         self._stage_floor = minimum_peak(self.chain.problem)
         self._stage_ceiling = no_checkpoint_peak(self.chain)
         self._solutions: dict[tuple[int, str], Solution] = {}
@@ -214,6 +223,18 @@ class Planner:
         if self.rank_memory is not None and scope == "total":
             self.breakdown = _rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
         self.planning_peak_bytes = planning.peak(self.profile)
+        self._phase(None, "")
+
+    def _phase(self, name: str | None, description: str) -> None:
+        """Close the running phase's clock and start ``name``'s (None: just close)."""
+        now = time.perf_counter()
+        running = getattr(self, "_running_phase", None)
+        if running is not None:
+            key, started = running
+            self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + now - started
+        self._running_phase = (name, now) if name is not None else None
+        if name is not None:
+            self.progress(description)
 
     def predict(self, segments: Sequence[tuple[int, int]]) -> int:
         """Predicted peak (in the planner's scope, per rank when sharded) of a plan given as
@@ -363,7 +384,7 @@ class Planner:
         underestimate = 0  # largest measured-minus-predicted peak seen so far
         checked: Measurement | None = None
         for _ in range(_VERIFY_ROUNDS):
-            self.progress("solving")
+            self._phase("search", "solving")
             try:
                 solution = self._search(budget_bytes - underestimate, solver, time_limit_s)
             except InfeasibleBudgetError as error:
@@ -376,7 +397,7 @@ class Planner:
                 break
             # The plan's own step fits by construction: measuring it is the only real step
             # planning runs (the probe already warmed every kernel up).
-            self.progress("measuring the plan")
+            self._phase("verify", "measuring the plan")
             checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=1, warmup=0)
             used = self._used(checked) + self._rank_shift(solution.segments)
             if used <= budget_bytes:
@@ -384,7 +405,9 @@ class Planner:
             predicted = self.predict(solution.segments)
             underestimate = max(underestimate + 1, used - predicted)
         else:
+            self._phase(None, "")
             raise self._measured_infeasible(budget_bytes, underestimate)
+        self._phase(None, "")
         result.plan = _make_plan(self, solution, specs, budget_bytes, checked)
         return result
 

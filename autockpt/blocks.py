@@ -3,8 +3,8 @@
 "Checkpoint every layer" (``gradient_checkpointing_enable()``, a ``checkpoint`` call in the
 loop over ``self.layers``) is the plan most training code uses, and three parts of autockpt
 need the same notion of "the layers": the chain (:func:`block_cut_positions` becomes
-``build_chain(required_cuts=...)`` so that the per-block plan is always in the solver's plan
-space and the optimum can never be worse than it), the frontier's per-block baseline
+``build_chain(required_cuts=...)`` so that the per-block plan is always in the solvers' plan
+space and can be priced and compared), the frontier's per-block baseline
 (``report.repeated_block_segments``) and the default FSDP units
 (``distributed.detect_units``). One finder serves all three, so the baseline the frontier
 draws, the units FSDP shards and the cuts the chain keeps are the same blocks.

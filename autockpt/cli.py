@@ -53,6 +53,10 @@ BENCHMARKS = {
     "budgets": ("benchmarks.budgets", "measured peak and step time across budgets on the zoo"),
     "e2e": ("benchmarks.e2e", "autockpt against per-block checkpointing, checkpoint_sequential, "
             "torch.compile memory budgets and other planners"),
+    "planning": ("benchmarks.planning", "planning's own resident memory and time against the "
+                 "budget, the plan's peak and one eager step"),
+    "survey": ("benchmarks.survey", "stated minimum against checkpointing each repeated block "
+               "on real architectures"),
 }
 
 

@@ -63,7 +63,9 @@ class Chain:
         """Compute-node index range covered by stages ``[start_stage, end_stage)``."""
         return NodeRange(self.stages[start_stage].first, self.stages[end_stage - 1].stop)
 
-    def stage_ranges_for(self, node_ranges: Sequence[tuple[int, int]]) -> tuple[StageRange, ...] | None:
+    def stage_ranges_for(
+        self, node_ranges: Sequence[tuple[int, int]]
+    ) -> tuple[StageRange, ...] | None:
         """The stage ranges covering exactly ``node_ranges`` (one each, same order), or
         ``None`` when a range boundary is not a stage boundary (not a cut of this chain).
         This is how a plan given by node ranges (checkpoint each block) enters the
@@ -115,7 +117,9 @@ def build_chain(
     def nbytes(storages: set[int] | frozenset[int]) -> int:
         return sum(size[s] for s in storages)
 
-    boundary = tuple(frozenset(crossing[start]) if start > 0 else frozenset() for start, _ in stages)
+    boundary = tuple(
+        frozenset(crossing[start]) if start > 0 else frozenset() for start, _ in stages
+    )
     owned, shared = _attribute_saved(profile, stages)
     saved, inputs, fwd, bwd, grads, transient = [], [], [], [], [], []
     for k, (start, end) in enumerate(stages):
@@ -129,7 +133,9 @@ def build_chain(
         grads.append(sum(profile.nodes[i].param_grad_bytes for i in range(start, end)))
         transient.append(
             nbytes(shared[k])
-            + _stage_transient(profile, last_use, start, end, stage_saved, boundary[k] | out_boundary)
+            + _stage_transient(
+                profile, last_use, start, end, stage_saved, boundary[k] | out_boundary
+            )
         )
     # The model's output and its gradient live from the end of forward into backward.
     tail = 2 * profile.output_bytes
@@ -202,21 +208,35 @@ def _crossing_storages(profile: Profile, last_use: list[int], n: int) -> list[se
 
 
 def _valid_cuts(profile: Profile, n: int) -> list[int]:
-    """Cut positions that no later in-place mutation crosses."""
+    """Cut positions that no later in-place mutation crosses.
+
+    A mutation at node ``j`` of a storage first produced at node ``i`` forbids exactly the
+    cuts in ``(i, j]``. The storage is live across each of them (node ``j`` reads it), so it
+    is an input of any segment that starts there and reaches ``j``; checkpoint keeps
+    segment inputs as saved tensors, and one changed in place afterwards fails the backward
+    (or would be recomputed from the changed value). A segment starting there and ending
+    before ``j`` without reading the storage would be safe, but a chain cut admits segments
+    of every length on both sides, so it cannot be offered. Cuts outside ``(i, j]`` (a
+    tensor made and mutated on one side, e.g. inside one block) are unaffected.
+    """
     produced_at: dict[int, int] = {}
     for i, node in enumerate(profile.nodes):
         for s in node.outputs:
             produced_at.setdefault(s, i)
-    # A mutation at node j of a storage produced at node i forbids every cut in (i, j].
-    forbidden = [False] * (n + 1)
+    # Mark each forbidden interval by its ends and sweep: O(n + mutations).
+    opened = [0] * (n + 2)
     for j, node in enumerate(profile.nodes):
         for s in node.mutates:
             i = produced_at.get(s)
-            if i is None:
-                continue
-            for p in range(i + 1, j + 1):
-                forbidden[p] = True
-    return [p for p in range(1, n) if not forbidden[p]]
+            if i is not None and i < j:
+                opened[i + 1] += 1
+                opened[j + 1] -= 1
+    valid, depth = [], 0
+    for p in range(1, n):
+        depth += opened[p]
+        if depth == 0:
+            valid.append(p)
+    return valid
 
 
 def _choose_cuts(
@@ -241,8 +261,12 @@ def _choose_cuts(
 
 
 def _stage_transient(
-    profile: Profile, last_use: list[int], start: int, end: int,
-    stage_saved: set[int], boundaries: frozenset[int] | set[int],
+    profile: Profile,
+    last_use: list[int],
+    start: int,
+    end: int,
+    stage_saved: set[int],
+    boundaries: frozenset[int] | set[int],
 ) -> int:
     """Bytes a stage needs beyond its saved tensors and boundaries while it runs.
 

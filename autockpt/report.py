@@ -448,7 +448,9 @@ def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[i
         return blocks.container, tuple((r.start, r.end) for r in exact)
     segments: list[tuple[int, int]] = []
     for first, stop in ranges:
-        inside = [k for k, stage in enumerate(chain.stages) if stage.first >= first and stage.stop <= stop]
+        inside = [
+            k for k, stage in enumerate(chain.stages) if stage.first >= first and stage.stop <= stop
+        ]
         if inside and (not segments or inside[0] >= segments[-1][1]):
             segments.append((inside[0], inside[-1] + 1))
     return blocks.container, tuple(segments)

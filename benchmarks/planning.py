@@ -68,8 +68,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import torch  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
 
 MIB = 2**20
 BUDGET_FRACTION = 0.35
@@ -164,9 +167,7 @@ class Case:
 
 
 HEAVY = Case("residual_mlp", "benchmarks.planning:residual_mlp", {}, {"batch": 256})
-HF_GPT2 = Case(
-    "hf_gpt2_124m", "benchmarks.planning:hf_gpt2_124m", {}, {"layers": 1, "seq_len": 16}
-)
+HF_GPT2 = Case("hf_gpt2_124m", "benchmarks.planning:hf_gpt2_124m", {}, {"layers": 1, "seq_len": 16})
 QUICK_ZOO = ("block_stack", "gpt")
 
 
@@ -196,6 +197,7 @@ class WindowResult:
     rss_increase_bytes: int
     window_seconds: float
     static_bytes: int
+    gradient_bytes: int
     eager_peak_bytes: int | None = None
     budget_bytes: int | None = None
     minimum_peak_bytes: int | None = None
@@ -207,6 +209,14 @@ class WindowResult:
     train_error: str | None = None
     eager_step_seconds: float | None = None
     plan_step_seconds: float | None = None
+
+    @property
+    def activation_share(self) -> float | None:
+        """Share of the eager peak above parameters, buffers, inputs and gradients."""
+        if not self.eager_peak_bytes:
+            return None
+        rest = self.eager_peak_bytes - self.static_bytes - self.gradient_bytes
+        return rest / self.eager_peak_bytes
 
     @property
     def bound_bytes(self) -> int | None:
@@ -230,7 +240,11 @@ def planning_bound(budget_bytes: int, minimum_peak_bytes: int) -> int:
 
 
 def run_window(
-    case: Case, action: str, *, timing_rounds: int = 0, threads: int | None = None,
+    case: Case,
+    action: str,
+    *,
+    timing_rounds: int = 0,
+    threads: int | None = None,
     timeout_s: float = 1800.0,
 ) -> WindowResult:
     """Run ``action`` ("plan" or "eager") on ``case`` in a fresh Python process and return
@@ -251,7 +265,12 @@ def run_window(
     code = "import sys; from benchmarks.planning import _child; _child(sys.argv[1])"
     done = subprocess.run(
         [sys.executable, "-c", code, json.dumps(request)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout_s, check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=timeout_s,
+        check=False,
     )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith(RESULT_MARK)]
     if done.returncode != 0 or not lines:
@@ -259,7 +278,7 @@ def run_window(
             f"{action} window for {case.name} failed (exit {done.returncode}):\n"
             f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
         )
-    return WindowResult(**json.loads(lines[-1][len(RESULT_MARK):]))
+    return WindowResult(**json.loads(lines[-1][len(RESULT_MARK) :]))
 
 
 class _Resident:
@@ -383,6 +402,17 @@ def _trains_like_eager(model: nn.Module, result: nn.Module, example: Any) -> str
     return None
 
 
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients a step allocates (one per distinct trainable storage)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and p.untyped_storage().data_ptr() not in seen:
+            seen.add(p.untyped_storage().data_ptr())
+            total += p.untyped_storage().nbytes()
+    return total
+
+
 def _interleaved(steps: dict[str, Any], rounds: int) -> dict[str, float]:
     """Median wall time of each step over ``rounds`` rounds, every round running each once
     (one untimed warm-up round first): neighbours share the machine's noise."""
@@ -416,6 +446,7 @@ def _child(request_text: str) -> None:
 
     model, example = _build(request)
     static = static_bytes(model, Inputs.of(example))
+    gradients = gradient_bytes(model)
     _release_heap()
     resident = _Resident()
     before = resident.reset()
@@ -428,9 +459,14 @@ def _child(request_text: str) -> None:
     increase = resident.high_water() - before
 
     out: dict[str, Any] = {
-        "model": request["name"], "action": action, "rss_source": resident.source,
-        "rss_before_bytes": before, "rss_increase_bytes": increase, "window_seconds": seconds,
+        "model": request["name"],
+        "action": action,
+        "rss_source": resident.source,
+        "rss_before_bytes": before,
+        "rss_increase_bytes": increase,
+        "window_seconds": seconds,
         "static_bytes": static,
+        "gradient_bytes": gradients,
     }
     rounds = int(request["timing_rounds"])
     if action == "eager":
@@ -454,8 +490,10 @@ def _child(request_text: str) -> None:
         del planner
         if rounds:
             timed = _interleaved(
-                {"eager": lambda: _eager_step(model, example),
-                 "plan": lambda: _eager_step(result, example)},
+                {
+                    "eager": lambda: _eager_step(model, example),
+                    "plan": lambda: _eager_step(result, example),
+                },
                 rounds,
             )
             out["eager_step_seconds"] = timed["eager"]
@@ -475,10 +513,7 @@ def _row(eager: WindowResult, plan: WindowResult) -> dict[str, Any]:
         "model": plan.model,
         "static_bytes": plan.static_bytes,
         "eager_peak_bytes": eager.eager_peak_bytes,
-        "activation_share": (
-            (eager.eager_peak_bytes - eager.static_bytes) / eager.eager_peak_bytes
-            if eager.eager_peak_bytes else None
-        ),
+        "activation_share": eager.activation_share,
         "eager_step_seconds": step,
         "plan_step_seconds": plan.plan_step_seconds,
         "eager_rss_increase_bytes": eager.rss_increase_bytes,
@@ -492,7 +527,8 @@ def _row(eager: WindowResult, plan: WindowResult) -> dict[str, Any]:
         "allowed_increase_bytes": plan.allowed_increase_bytes,
         "within_bound": plan.rss_increase_bytes <= (plan.allowed_increase_bytes or 0),
         "rss_over_allowed": plan.rss_increase_bytes / plan.allowed_increase_bytes
-        if plan.allowed_increase_bytes else None,
+        if plan.allowed_increase_bytes
+        else None,
         "predicted_peak_bytes": predicted,
         "measured_peak_bytes": measured,
         "prediction_error": (predicted - measured) / measured if measured and predicted else None,
@@ -541,20 +577,22 @@ def _line(row: dict[str, Any]) -> str:
 def summary_markdown(rows: list[dict[str, Any]]) -> str:
     """One row per model: step, planning time and memory, the bound, the plan's peaks."""
     lines = [
-        "| model | eager peak (MiB) | activations | eager step (s) | planning (eager steps) "
+        "| model | eager peak (MiB) | activations | eager step (s) | planning (s) "
+        "| planning (eager steps) "
         "| eager step RSS + (MiB) | planning RSS + (MiB) | allowed + (MiB) | within bound "
         "| budget (MiB) | stated minimum (MiB) | predicted (MiB) | measured (MiB) "
         "| prediction error | trains like eager |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|:-:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|:-:|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error'].splitlines()[0][:80]} |" + " |" * 13)
+            lines.append(f"| {r['model']} | error: {r['error'].splitlines()[0][:80]} |" + " |" * 14)
             continue
         error = r["prediction_error"]
         lines.append(
             f"| {r['model']} | {_mib(r['eager_peak_bytes'])} | {r['activation_share']:.0%} "
-            f"| {r['eager_step_seconds']:.3f} | {r['planning_steps']:.1f} "
+            f"| {r['eager_step_seconds']:.3f} | {r['planning_seconds']:.1f} "
+            f"| {r['planning_steps']:.1f} "
             f"| {_mib(r['eager_rss_increase_bytes'])} | {_mib(r['planning_rss_increase_bytes'])} "
             f"| {_mib(r['allowed_increase_bytes'])} | {'yes' if r['within_bound'] else 'NO'} "
             f"| {_mib(r['budget_bytes'])} | {_mib(r['minimum_peak_bytes'])} "
@@ -583,18 +621,34 @@ def _write(rows: list[dict[str, Any]], out: Path) -> None:
     names = [r["model"] for r in good]
     at = range(len(good))
     width = 0.27
-    memory.bar([i - width for i in at], [r["eager_rss_increase_bytes"] / MIB for r in good],
-               width, label="one eager step", color="tab:gray")
-    memory.bar(list(at), [r["planning_rss_increase_bytes"] / MIB for r in good],
-               width, label="planning", color="tab:blue")
-    memory.bar([i + width for i in at], [r["allowed_increase_bytes"] / MIB for r in good],
-               width, label="allowed (budget bound less static)", color="tab:green")
+    memory.bar(
+        [i - width for i in at],
+        [r["eager_rss_increase_bytes"] / MIB for r in good],
+        width,
+        label="one eager step",
+        color="tab:gray",
+    )
+    memory.bar(
+        list(at),
+        [r["planning_rss_increase_bytes"] / MIB for r in good],
+        width,
+        label="planning",
+        color="tab:blue",
+    )
+    memory.bar(
+        [i + width for i in at],
+        [r["allowed_increase_bytes"] / MIB for r in good],
+        width,
+        label="allowed (budget bound less static)",
+        color="tab:green",
+    )
     memory.set_xticks(list(at), names, rotation=30, ha="right", fontsize=8)
     memory.set_ylabel("resident high-water increase (MiB)")
     memory.set_title("planning's memory against the bound")
     memory.legend(fontsize=7)
     timing.bar(list(at), [r["planning_steps"] for r in good], color="tab:blue")
     timing.set_xticks(list(at), names, rotation=30, ha="right", fontsize=8)
+    timing.set_yscale("log")
     timing.set_ylabel("planning wall time / eager step time")
     timing.set_title("planning time in eager steps")
     fig.savefig(out / "planning.png", dpi=120)

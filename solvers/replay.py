@@ -316,6 +316,7 @@ class Replayer:
         freed_fwd = (wf >= 0) & w_fwd[np.maximum(wf, 0)]
         self._f_freed_node = np.where(freed_fwd, w_node[np.maximum(wf, 0)], n)  # n: sentinel
         self._f_free_event = a_f[fa]
+        self._f_free_window_start = np.where(wf >= 0, woff[np.maximum(wf, 0)], -1)
 
         savers: dict[int, list[int]] = {}
         for i, allocations in enumerate(trace.saved):
@@ -359,8 +360,14 @@ class Replayer:
         self._saver_group = _group(s_owner)
         # The saver whose backward freed it in eager: that free; another kept saver: the end
         # of its backward (if it has one).
-        freer = (wf[s_owner] >= 0) & freed_bwd[s_owner] & (w_node[np.maximum(wf[s_owner], 0)] == s_node)
+        freer = (
+            (wf[s_owner] >= 0) & freed_bwd[s_owner] & (w_node[np.maximum(wf[s_owner], 0)] == s_node)
+        )
         self._saver_freer = freer
+        # The freeing saver's copy surely exists when checkpointed with its producer: its
+        # last save comes after the allocation (or no recompute ever stops early).
+        copied = (last_pack[s_node] > a_e[fa][s_owner]) | bool(np.all(last_pack < 0))
+        self._saver_holds_late = freer & copied
         self._saver_end = end_last_bwd[s_node]
         self._saver_kept_reason = np.where(freer, self._f_free[s_owner], end_last_bwd[s_node])
         self._reader_owner = np.asarray(reader_owner, _I64)
@@ -368,8 +375,7 @@ class Replayer:
         self._reader_group = _group(self._reader_owner)
         fw_last = np.where(fwd_window >= 0, last_event[np.maximum(fwd_window, 0)], -1)
         self._last_event_of_forward = fw_last if nw else fwd_window
-        self._slot_fclass_cache: dict[tuple[int, ...], np.ndarray] = {}
-        self._eager: tuple[int, PlanSimulation, list[tuple[str, int, int]]] | None = None
+        self._window_phase = [(win.phase, win.node) for win in windows]
 
     # -- public -----------------------------------------------------------------------------
 
@@ -406,8 +412,8 @@ class Replayer:
     ) -> PlanSimulation:
         """:func:`simulate` on this trace."""
         points = self._points(segments, preserve_rng, self.num_nodes, True)
-        pos, cur, slot_of, slot_phase, _ = self._sorted(points)
-        fclass = self._slot_fclass(slot_phase)[slot_of]
+        _, cur, slot_of, slot_phase, slot_fclass = self._sorted(points)
+        fclass = slot_fclass[slot_of]
         static = self.static_bytes
         peak, peak_slot = 0, 0
         if len(cur):
@@ -438,7 +444,10 @@ class Replayer:
         live_end = np.where(last >= 0, cur[np.maximum(last, 0)] if len(cur) else 0, 0)
         entry = np.r_[0, live_end[:-1]] if slots else live_end
         peaks = np.maximum(entry, top) + self.static_bytes
-        return [(phase, node, int(b)) for (phase, node), b in zip(slot_phase, peaks.tolist())]
+        return [
+            (phase, node, int(b))
+            for (phase, node), b in zip(slot_phase, peaks.tolist(), strict=True)
+        ]
 
     # -- the rules, vectorised ----------------------------------------------------------------
 
@@ -477,7 +486,9 @@ class Replayer:
         n, count = self.num_nodes, len(segs)
         nf = self._nf
         woff, end = self._woff, self._end
-        no_blocks = _Layout(self._dense, np.zeros(len(self.windows), _I64), *(np.zeros(0, _I64),) * 3)
+        no_blocks = _Layout(
+            self._dense, np.zeros(len(self.windows), _I64), *(np.zeros(0, _I64),) * 3
+        )
         if not count and decided == n:  # eager: every free where it was
             keep = np.flatnonzero(self._f_free >= 0)
             rank = self._f_rank[keep] + 3 if ranks else None
@@ -508,7 +519,9 @@ class Replayer:
         shift = np.zeros(len(self.windows), _I64)
         shift[block_window] = block_size
         shift = np.cumsum(shift)
-        layout = _Layout(self._dense + int(block_size.sum()), shift, blocks, block_window, block_size)
+        layout = _Layout(
+            self._dense + int(block_size.sum()), shift, blocks, block_window, block_size
+        )
         block_start = np.full(count + 1, -1, _I64)  # index -1 (no segment): sentinel
         block_start[blocks] = woff[block_window] + shift[block_window] - block_size
         seg_end = np.full(count + 1, -1, _I64)  # end of the segment's backward
@@ -533,42 +546,56 @@ class Replayer:
         free[eager_kept] = self._f_free[eager_kept]
         # Kept for backward and saved: the latest of kept savers' backward, held, last use.
         sn = self._saver_node
-        kept_saver = (segment_of[np.minimum(sn, n - 1)] < 0) & (sn < decided) if n else sn < 0
-        reasons = _group_max(np.where(kept_saver, self._saver_kept_reason, -1), self._saver_group, nf)
+        kept_saver = (segment_of[sn] < 0) & (sn < decided)
+        reasons = _group_max(
+            np.where(kept_saver, self._saver_kept_reason, -1), self._saver_group, nf
+        )
         rest = kept_for_backward & ~self._f_keep_eager
         free[rest] = np.maximum(np.maximum(reasons, held), self._f_last_reader_end)[rest]
-        if np.any(free[rest] == -2):
+        if np.any(self._f_last_reader_end[rest] == -2):
             raise KeyError("a reader of a forward allocation has no forward window")
         keep = np.flatnonzero(free >= 0)
         pos = [combined(free[keep])]
         delta = [-self._f_size[keep]]
         rank = [self._f_rank[keep] + 3] if ranks else []
+        if decided < n:
+            # Saved by an undecided node whose backward freed it: kept, that node holds it
+            # until then; checkpointed with its producer, the recompute's copy lives from
+            # before that backward until then; checkpointed apart from its producer, the
+            # segment holds it as an input. Alive over that backward window in every case.
+            # (A copy exists because the saver's last save comes after the allocation.)
+            late = np.unique(self._saver_owner[self._saver_holds_late & (sn >= decided)])
+            late = late[free[late] < self._f_free[late]]
+            if len(late):
+                since = np.maximum(self._f_free_window_start[late], free[late])
+                pos += [combined(since), combined(self._f_free[late])]
+                delta += [self._f_size[late], -self._f_size[late]]
 
         # Recomputed copies of what segment nodes made.
         copy = (own >= 0) & (block_start[own] >= 0)
         copy &= ~((seg_stop[own] >= 0) & (self._f_event >= seg_stop[own]))
         if copy.any():
-            inside = segment_of[np.minimum(sn, n - 1)] == own[self._saver_owner]
+            inside = segment_of[sn] == own[self._saver_owner]
             group = self._saver_group
             has_inside = _group_max(inside.astype(_I64), group, nf) > 0
             freer_inside = _group_max((inside & self._saver_freer).astype(_I64), group, nf) > 0
             inside_end = _group_max(np.where(inside, self._saver_end, -1), group, nf)
             rn = self._reader_node
             same = segment_of[rn] == own[self._reader_owner]
-            last = np.maximum(_group_max(np.where(same, rn, -1), self._reader_group, nf),
-                              self._f_producer)
+            last = np.maximum(
+                _group_max(np.where(same, rn, -1), self._reader_group, nf), self._f_producer
+            )
             e = self._f_event
             after_last = self._last_event_of_forward[last]
             after_last = np.where(after_last >= 0, after_last, e)
             freed_inside = segment_of[np.minimum(self._f_freed_node, max(n - 1, 0))] == own
             freed_inside &= self._f_freed_node < n
             # Free as an eager position (-1: inside the recompute) ...
-            eager_free = np.where(
-                has_inside, np.where(freer_inside, self._f_free, inside_end), -1
-            )
+            eager_free = np.where(has_inside, np.where(freer_inside, self._f_free, inside_end), -1)
             # ... or in half steps of the recompute (2x: event x, 2x+1: right after it).
             half = np.where(
-                has_inside, 2 * e + 1,
+                has_inside,
+                2 * e + 1,
                 np.where(freed_inside, 2 * self._f_free_event, 2 * after_last + 1),
             )
             early = seg_stop[own]
@@ -577,8 +604,11 @@ class Replayer:
             start, base = block_start[own[c]], 2 * seg_lo[own[c]]
             in_block = eager_free[c] < 0
             pos.append(start + 1 + 2 * e[c] - base)
-            pos.append(np.where(in_block, start + 1 + half[c] - base,
-                                combined(np.maximum(eager_free[c], 0))))
+            pos.append(
+                np.where(
+                    in_block, start + 1 + half[c] - base, combined(np.maximum(eager_free[c], 0))
+                )
+            )
             size = self._f_size[c]
             delta += [size, -size]
             if ranks:
@@ -605,9 +635,12 @@ class Replayer:
                 pos += [block_start[r], block_start[r] + size_of[r] - 1]
                 delta += [np.full(len(r), rng, _I64), np.full(len(r), -rng, _I64)]
                 if ranks:
-                    rank += [rbase, 4 * self._num_allocations + 4 * b + 1,
-                             4 * self._num_allocations + 4 * r + 2,
-                             4 * self._num_allocations + 4 * r + 3]
+                    rank += [
+                        rbase,
+                        4 * self._num_allocations + 4 * b + 1,
+                        4 * self._num_allocations + 4 * r + 2,
+                        4 * self._num_allocations + 4 * r + 3,
+                    ]
         return (
             np.concatenate(pos),
             np.concatenate(delta),
@@ -653,16 +686,11 @@ class Replayer:
         is_block[eager] = False
         slot_of_pos[is_block] = np.repeat(window_slot[layout.block_window] - 1, layout.block_size)
         slot_phase: list[tuple[str, int]] = []
-        recompute = dict(zip(layout.block_window.tolist(), layout.blocks.tolist(), strict=True))
-        for w, win in enumerate(self.windows):
-            k = recompute.get(w)
-            if k is not None:
-                slot_phase.append(("recompute", segs[k][0]))
-            slot_phase.append((win.phase, win.node))
-        return position, cur, slot_of_pos[position], slot_phase, layout
-
-    def _slot_fclass(self, slot_phase: list[tuple[str, int]]) -> np.ndarray:
-        return np.fromiter(
-            (phase in (PROLOGUE, FORWARD, LOSS) for phase, _ in slot_phase),
-            dtype=bool, count=len(slot_phase),
-        )
+        done = 0
+        for w, k in zip(layout.block_window.tolist(), layout.blocks.tolist(), strict=True):
+            slot_phase += self._window_phase[done:w]
+            slot_phase.append(("recompute", segs[k][0]))
+            done = w
+        slot_phase += self._window_phase[done:]
+        fclass = np.insert(self._w_fclass, layout.block_window, False)
+        return position, cur, slot_of_pos[position], slot_phase, fclass

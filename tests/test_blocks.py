@@ -167,20 +167,33 @@ def test_finder_root_container_and_models_without_blocks():
     assert find_repeated_blocks(root) == RepeatedBlocks("", ("0", "1", "2"))
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.ModuleList([nn.ReLU(), nn.ReLU()]))
     assert find_repeated_blocks(flat) is None
-    assert block_node_ranges(capture(flat, Inputs.of(torch.randn(2, 4))), None) == ()
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    assert find_repeated_blocks(plain) is None
+    assert block_node_ranges(capture(plain, Inputs.of(torch.randn(2, 4))), None) == ()
     with pytest.raises(ShardingError, match="found no repeated blocks"):
         detect_units(flat)
 
 
-@pytest.mark.parametrize("name", ["gpt", "resnet", "mlp_mixer", "two_in_two_out", "kwargs_model"])
-def test_one_finder_for_fsdp_units_and_blocks(name):
+@pytest.mark.parametrize(
+    ("name", "container", "count"),
+    [
+        ("gpt", "h", 4),
+        ("resnet", "stages", 6),
+        ("mlp_mixer", "layers", 6),
+        ("two_in_two_out", "x_blocks", 4),  # over y_blocks and y_to_x: most parameters
+        ("kwargs_model", "layers", 6),
+        ("unet", None, 0),  # encoder and decoder stages are all different: no blocks
+    ],
+)
+def test_zoo_blocks_are_the_layers(name, container, count):
     model, _ = ZOO[name]()
     blocks = find_repeated_blocks(model)
-    assert blocks is not None and detect_units(model) == blocks.children
-    assert all(
-        type(model.get_submodule(c)) is type(model.get_submodule(blocks.children[0]))
-        for c in blocks.children
-    )
+    if container is None:
+        assert blocks is None
+        return
+    prefix = f"{container}."
+    assert blocks == RepeatedBlocks(container, tuple(f"{prefix}{k}" for k in range(count)))
+    assert detect_units(model) == blocks.children  # the FSDP units are the same blocks
 
 
 # -- node ranges -------------------------------------------------------------------------------

@@ -298,3 +298,35 @@ def test_meta_device_profile_estimates_times_from_flops_and_sees_saved_storages(
     assert prof.saved_bytes() >= 64 * 512 * 4
     assert prof.param_bytes == (256 * 512 + 512 + 512 * 8 + 8) * 4
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+class _ValueBranch(nn.Module):
+    """Control flow on a tensor's value: how much work (and memory) a step does depends on
+    the data, which one example cannot bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(A, A)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        for _ in range(int(h.detach().abs().sum()) % 3 + 1):
+            h = torch.tanh(self.proj(h))
+        return h
+
+
+def test_value_dependent_step_is_refused_with_the_operator_named_before_any_real_step():
+    """Planning sizes a step on fake tensors and never runs it for real; a step whose work
+    depends on tensor values gets a TraceError naming the operator and the graph node, and
+    the model's state (RNG, buffers, grads) is untouched."""
+    from autockpt.errors import TraceError
+
+    model = nn.Sequential(nn.Linear(A, A), _ValueBranch())
+    x = torch.randn(N, A)
+    inputs = Inputs.of(x)
+    captured = capture(model, inputs)  # fx fails inside the branch: it becomes a leaf
+    rng = torch.get_rng_state()
+    with pytest.raises(TraceError, match=r"_local_scalar_dense.*graph node '_1'"):
+        profile(model, captured, inputs)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())

@@ -105,9 +105,9 @@ class ShapeBranch(nn.Module):
         return self.down(self.drop(torch.relu(self.bn(x))))
 
 
-class ValueRouter(nn.Module):
-    """Untraceable (branches on a value): captured as one opaque leaf that still holds
-    dropout and batch-norm statistics."""
+class ShapeRouter(nn.Module):
+    """Untraceable (Python branches on a shape, which fx traces as a proxy): captured as one
+    opaque leaf that still holds dropout and batch-norm statistics."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,7 +117,7 @@ class ValueRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(self.bn(self.proj(x)))
-        if x.sum() > 0:
+        if x.shape[0] % 2 == 0:
             return h
         return -h
 
@@ -126,7 +126,7 @@ class WithLeaf(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(WIDTH, WIDTH)
-        self.router = ValueRouter()
+        self.router = ShapeRouter()
         self.out = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
