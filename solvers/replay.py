@@ -376,6 +376,10 @@ class Replayer:
         fw_last = np.where(fwd_window >= 0, last_event[np.maximum(fwd_window, 0)], -1)
         self._last_event_of_forward = fw_last if nw else fwd_window
         self._window_phase = [(win.phase, win.node) for win in windows]
+        self._f_freed = np.flatnonzero(self._f_free >= 0)
+        empty = np.zeros(0, _I64)
+        self._no_blocks = _Layout(self._dense, np.zeros(nw, _I64), empty, empty, empty)
+        self._segment_facts: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 
     # -- public -----------------------------------------------------------------------------
 
@@ -451,26 +455,44 @@ class Replayer:
 
     # -- the rules, vectorised ----------------------------------------------------------------
 
-    def _validate(self, segments: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def _validate(self, segments: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
         n = self.num_nodes
         segs = [(int(first), int(stop)) for first, stop in segments]
-        firsts = np.fromiter((f for f, _ in segs), dtype=_I64, count=len(segs))
-        stops = np.fromiter((s for _, s in segs), dtype=_I64, count=len(segs))
-        cover = np.zeros(n + 2, _I64)
-        inside = bool(np.all((firsts >= 0) & (firsts < stops) & (stops <= n)))
-        if inside:
-            np.add.at(cover, firsts, 1)
-            np.add.at(cover, stops, -1)
-        if not inside or (len(segs) and int(np.cumsum(cover).max()) > 1):
-            segment_of = [-1] * n  # the first fault in the order a loop would meet it
-            for k, (first, stop) in enumerate(segs):
-                if not 0 <= first < stop <= n:
-                    raise ValueError(f"segment [{first}, {stop}) is outside the {n} compute nodes")
-                for i in range(first, stop):
-                    if segment_of[i] != -1:
-                        raise ValueError(f"segments overlap at node {i}")
-                    segment_of[i] = k
-        return firsts, stops
+        previous = 0
+        for first, stop in segs:
+            if not previous <= first < stop <= n:
+                break
+            previous = stop
+        else:
+            return segs  # sorted, disjoint, inside: the common case
+        segment_of = [-1] * n  # the first fault in the order a loop would meet it
+        for k, (first, stop) in enumerate(segs):
+            if not 0 <= first < stop <= n:
+                raise ValueError(f"segment [{first}, {stop}) is outside the {n} compute nodes")
+            for i in range(first, stop):
+                if segment_of[i] != -1:
+                    raise ValueError(f"segments overlap at node {i}")
+                segment_of[i] = k
+        return segs
+
+    def _facts(self, first: int, stop: int) -> tuple[int, int, int, int, int]:
+        """What the rules need of segment ``[first, stop)``: its first backward window and
+        the end of its backward (-1: none), where its recompute stops (-1: never early),
+        the first event of its forward and its recompute block's size (0: no recompute)."""
+        found = self._segment_facts.get((first, stop))
+        if found is None:
+            last_bwd = int(self._bwd_last[first:stop].max())
+            hi = int(self._fwd_hi[first:stop].max())
+            lo = int(self._fwd_lo[first:stop].min()) if hi >= 0 else 0
+            found = (
+                int(self._bwd_first[first:stop].min()) if last_bwd >= 0 else -1,
+                int(self._end[last_bwd]) if last_bwd >= 0 else -1,
+                int(self._last_pack[first:stop].max()),
+                lo,
+                2 * (hi - lo) + 4 if last_bwd >= 0 else 0,
+            )
+            self._segment_facts[(first, stop)] = found
+        return found
 
     def _points(
         self,
@@ -481,55 +503,42 @@ class Replayer:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, _Layout, tuple[tuple[int, int], ...]]:
         """The plan's points besides the plan-independent ones: (combined position, bytes,
         rank or None), the layout, and the segments as ints."""
-        firsts, stops = self._validate(segments)
-        segs = tuple(zip(firsts.tolist(), stops.tolist(), strict=True))
+        segs = self._validate(segments)
         n, count = self.num_nodes, len(segs)
         nf = self._nf
-        woff, end = self._woff, self._end
-        no_blocks = _Layout(
-            self._dense, np.zeros(len(self.windows), _I64), *(np.zeros(0, _I64),) * 3
-        )
+        woff = self._woff
         if not count and decided == n:  # eager: every free where it was
-            keep = np.flatnonzero(self._f_free >= 0)
+            keep = self._f_freed
             rank = self._f_rank[keep] + 3 if ranks else None
-            return self._f_free[keep], -self._f_size[keep], rank, no_blocks, segs
+            return self._f_free[keep], -self._f_size[keep], rank, self._no_blocks, segs
 
         # Segment of every node (-1: kept or undecided), and per segment what the rules use.
+        firsts = np.fromiter((f for f, _ in segs), dtype=_I64, count=count)
+        stops = np.fromiter((s for _, s in segs), dtype=_I64, count=count)
         mark = np.zeros(n + 1, _I64)
         tags = np.arange(1, count + 1, dtype=_I64)
         np.add.at(mark, firsts, tags)
         np.add.at(mark, stops, -tags)
         segment_of = np.cumsum(mark)[:n] - 1
-        bounds = np.stack((firsts, stops), axis=1).ravel()
-        if count:
-            first_bwd = np.minimum.reduceat(self._bwd_first, bounds)[::2]
-            last_bwd = np.maximum.reduceat(self._bwd_last, bounds)[::2]
-            stop_at = np.maximum.reduceat(self._last_pack, bounds)[::2]  # early stop (< 0: none)
-            lo = np.minimum.reduceat(self._fwd_lo, bounds)[::2]
-            hi = np.maximum.reduceat(self._fwd_hi, bounds)[::2]
-        else:
-            first_bwd = last_bwd = stop_at = lo = hi = np.zeros(0, _I64)
-        has_bwd = last_bwd >= 0
-        lo = np.where(hi >= 0, lo, 0)
+        facts = np.array([self._facts(f, s) for f, s in segs], dtype=_I64).reshape(count, 5)
+        # Per segment, index -1 (no segment) is a sentinel row.
+        seg_first_bwd, seg_end, seg_stop, seg_lo, seg_size = np.vstack(
+            (facts, (-1, -1, -1, 0, 0))
+        ).T
+        has_bwd = seg_end[:count] >= 0
         # Recompute blocks, in time order (the first backward windows are distinct).
         blocks = np.flatnonzero(has_bwd)
-        blocks = blocks[np.argsort(first_bwd[blocks], kind="stable")]
-        block_window = first_bwd[blocks]
-        block_size = 2 * (hi[blocks] - lo[blocks]) + 4
+        blocks = blocks[np.argsort(seg_first_bwd[blocks], kind="stable")]
+        block_window = seg_first_bwd[blocks]
+        block_size = seg_size[blocks]
         shift = np.zeros(len(self.windows), _I64)
         shift[block_window] = block_size
         shift = np.cumsum(shift)
         layout = _Layout(
             self._dense + int(block_size.sum()), shift, blocks, block_window, block_size
         )
-        block_start = np.full(count + 1, -1, _I64)  # index -1 (no segment): sentinel
+        block_start = np.full(count + 1, -1, _I64)
         block_start[blocks] = woff[block_window] + shift[block_window] - block_size
-        seg_end = np.full(count + 1, -1, _I64)  # end of the segment's backward
-        seg_end[:count] = np.where(has_bwd, end[np.maximum(last_bwd, 0)], -1)
-        seg_stop = np.full(count + 1, -1, _I64)
-        seg_stop[:count] = stop_at
-        seg_lo = np.zeros(count + 1, _I64)
-        seg_lo[:count] = lo
 
         def combined(pos: np.ndarray) -> np.ndarray:
             return pos + shift[self._win_of_dense[pos]]
@@ -630,9 +639,7 @@ class Replayer:
                 pos.append(combined(seg_end[b]))
                 delta.append(np.full(len(b), -rng, _I64))
                 r = ks[block_start[ks] >= 0]
-                size_of = np.zeros(count, _I64)
-                size_of[blocks] = block_size
-                pos += [block_start[r], block_start[r] + size_of[r] - 1]
+                pos += [block_start[r], block_start[r] + seg_size[r] - 1]
                 delta += [np.full(len(r), rng, _I64), np.full(len(r), -rng, _I64)]
                 if ranks:
                     rank += [

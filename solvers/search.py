@@ -79,14 +79,16 @@ Plan = tuple[tuple[int, int], ...]
 
 DEFAULT_MAX_EVALUATIONS = 3000
 """Replays the local search may spend (seeds are always all replayed)."""
-DEFAULT_MAX_NODES = 30000
-"""Prefixes the branch and bound may bound before it gives up proving optimality."""
+DEFAULT_MAX_NODES = 4000
+"""Prefixes the branch and bound may bound before it gives up proving optimality (raised
+to ``2 * count_plans(L) + L`` for chains of up to :data:`EXHAUSTIVE_STAGES` stages, where
+that many always suffice)."""
 EXHAUSTIVE_STAGES = 10
 """Up to this many stages the branch and bound is always complete under the default node
 budget: a chain of ``L`` stages has ``count_plans(L)`` plans and fewer prefixes than
 ``2 * count_plans(L)`` (10 stages: 10946 plans)."""
 
-_DP_RUNGS = 10  # proxy budgets in the dp ladder
+_DP_RUNGS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)  # proxy budgets, sixteenths of the range
 _DP_BISECTIONS = 5  # bisection steps between the rungs that bracket the budget
 _PAIR_FIRST_MOVES = 16  # cost-reducing first moves combined into pairs
 _PAIR_CAP = 200  # pairs replayed per pair step
@@ -202,6 +204,8 @@ class _Search:
         self.started = time.perf_counter()
         self.deadline = None if time_limit_s is None else self.started + time_limit_s
         self.max_evaluations = max_evaluations
+        if self.num_stages <= EXHAUSTIVE_STAGES:
+            max_nodes = max(max_nodes, 2 * count_plans(self.num_stages) + self.num_stages)
         self.max_nodes = max_nodes
         self.evaluations = 0  # local-search replays (seeds are not counted)
         self.nodes = 0
@@ -312,7 +316,7 @@ class _Ladder:
 
     def rungs(self) -> list[int]:
         span = self.ceiling - self.floor
-        return sorted({self.floor + span * k // (_DP_RUNGS - 1) for k in range(_DP_RUNGS)})
+        return sorted({self.floor + span * k // 16 for k in _DP_RUNGS})
 
 
 def _seed_plans(

@@ -36,7 +36,7 @@ plain eager step is printed next to planning's number.
 
 The model (``benchmarks.planning.residual_mlp``): residual ``LayerNorm -> Linear(w, 4w) ->
 GELU -> Linear(4w, w)`` blocks, activations 99% of the eager peak. Default run: batch 16384
-(eager peak ~255 MiB); ``-m slow``: batch 49152 (~755 MiB).
+(eager peak ~252 MiB); ``-m slow``: batch 49152 (~755 MiB).
 """
 
 from __future__ import annotations
