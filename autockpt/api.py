@@ -295,10 +295,9 @@ class Planner:
     def _scoped(self, simulated_bytes: int, segments: Sequence[tuple[int, int]]) -> int:
         """A simulated single-process byte count as the planner's scope counts it: per rank
         when sharded, or above the static part for "activations"."""
-        total = simulated_bytes
         if self.scope == "total":
-            return total + self._rank_shift(segments)
-        return total - self.profile.static_bytes - self.profile.param_grad_bytes
+            return simulated_bytes + self._rank_shift(segments)
+        return in_scope(simulated_bytes, self.scope, self.profile)
 
     def _solve_at(self, solver_budget: int, solver: str, time_limit_s: float) -> Solution:
         key = (solver_budget, solver)
@@ -474,9 +473,7 @@ class Planner:
                 - simulate(self.single_problem, segments).peak_bytes)
 
     def _used(self, measurement: Measurement) -> int:
-        if self.scope == "total":
-            return measurement.peak_bytes
-        return measurement.peak_bytes - self.profile.static_bytes - self.profile.param_grad_bytes
+        return in_scope(measurement.peak_bytes, self.scope, self.profile)
 
 
 def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module:
@@ -537,6 +534,15 @@ def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def in_scope(total_bytes: int, scope: str, prof: Profile) -> int:
+    """The part of a step's total bytes that a budget of ``scope`` counts: all of it for
+    "total"; for "activations", what lies above parameters, buffers, inputs and parameter
+    gradients. (The one place this arithmetic lives.)"""
+    if scope == "total":
+        return total_bytes
+    return total_bytes - prof.static_bytes - prof.param_grad_bytes
 
 
 class _PlanningPeak:

@@ -12,7 +12,7 @@ checkpointing problems with ILP and DP respectively.
 
 Why suffixes
 ------------
-The brief described a left-to-right DP over (stored prefix bytes, cost). This module runs
+The textbook form is a left-to-right DP over (stored prefix bytes, cost). This module runs
 the mirror image, right-to-left over (headroom, cost); both are exact and, without
 bounds, their fronts are about equally large (measured on a 200-stage random chain at a
 50% budget: largest front 3,930 labels / 336k labels in total left-to-right, 3,754 / 343k
@@ -89,20 +89,11 @@ from .bounds import (
     suffix_min_peaks,
 )
 
-__all__ = ["optimal_plan", "DPStats", "SearchTimeout"]
+__all__ = ["optimal_plan", "SearchTimeout"]
 
 _NO_LIMIT = np.iinfo(np.int64).max
 _BEAMS = (2, 8, 32)
 CHUNK = 8
-
-
-class DPStats:
-    """Counters of one run (for benchmarks and documentation)."""
-
-    def __init__(self) -> None:
-        self.labels = 0
-        self.candidates = 0
-        self.max_front = 0
 
 
 class _Store:
@@ -113,10 +104,22 @@ class _Store:
     that a sweep can discard or collapse whole chunks before touching their labels.
     """
 
-    _LABEL_COLS = (("h", np.int64), ("k", np.int64), ("pos", np.int64), ("end", np.int64),
-                   ("seg", bool), ("child", np.int64))
-    _CHUNK_COLS = (("c_start", np.int64), ("c_len", np.int64), ("c_pos", np.int64),
-                   ("c_hmin", np.int64), ("c_hmax", np.int64), ("c_kmin", np.int64))
+    _LABEL_COLS = (
+        ("h", np.int64),
+        ("k", np.int64),
+        ("pos", np.int64),
+        ("end", np.int64),
+        ("seg", bool),
+        ("child", np.int64),
+    )
+    _CHUNK_COLS = (
+        ("c_start", np.int64),
+        ("c_len", np.int64),
+        ("c_pos", np.int64),
+        ("c_hmin", np.int64),
+        ("c_hmax", np.int64),
+        ("c_kmin", np.int64),
+    )
 
     def __init__(self, capacity: int) -> None:
         for name, dtype in self._LABEL_COLS + self._CHUNK_COLS:
@@ -134,8 +137,15 @@ class _Store:
             new[:used] = old[:used]
             setattr(self, name, new)
 
-    def append(self, pos: int, h: np.ndarray, k: np.ndarray, end: np.ndarray,
-               seg: np.ndarray, child: np.ndarray) -> None:
+    def append(
+        self,
+        pos: int,
+        h: np.ndarray,
+        k: np.ndarray,
+        end: np.ndarray,
+        seg: np.ndarray,
+        child: np.ndarray,
+    ) -> None:
         m = len(h)
         need = self.size + m
         self._grow(self._LABEL_COLS, self.size, need)
@@ -178,7 +188,6 @@ def optimal_plan(
     *,
     upper_key: int | None = None,
     deadline: float | None = None,
-    stats: DPStats | None = None,
 ) -> list[tuple[int, int]] | None:
     """Cheapest plan that fits ``arrays.budget``, or ``None`` if no plan fits.
 
@@ -211,18 +220,17 @@ def optimal_plan(
     if upper_key is not None:
         limit = min(limit, int(upper_key))
     try:
-        bound = PrefixCostBound.tuned(arrays, cost.f_ticks, cost.overhead_ticks, headroom, msp,
-                                      deadline)
+        bound = PrefixCostBound.tuned(
+            arrays, cost.f_ticks, cost.overhead_ticks, headroom, msp, deadline
+        )
         for beam in _BEAMS:
             found = _search(arrays, cost, headroom, msp, bound, limit, beam, deadline, None)
             if found is not None and cost.plan_key(found) <= limit:
                 incumbent, limit = found, cost.plan_key(found)
-        return _search(arrays, cost, headroom, msp, bound, limit, 0, deadline, stats)
+        return _search(arrays, cost, headroom, msp, bound, limit, 0, deadline)
     except SearchTimeout as exc:
         exc.incumbent = incumbent
         raise
-
-
 
 
 def _search(
@@ -234,7 +242,6 @@ def _search(
     limit: int,
     beam: int,
     deadline: float | None,
-    stats: DPStats | None,
 ) -> list[tuple[int, int]] | None:
     """One right-to-left sweep; ``beam > 0`` caps every front (heuristic mode)."""
     n = arrays.n
@@ -248,10 +255,16 @@ def _search(
         return cost.round_up(ticks).astype(np.int64) * cost.base
 
     store = _Store(max(1024, 8 * n))
-    offset = np.zeros(n + 1, dtype=np.int64)    # first label of front(p)
+    offset = np.zeros(n + 1, dtype=np.int64)  # first label of front(p)
     c_offset = np.zeros(n + 1, dtype=np.int64)  # first chunk of front(p)
-    store.append(n, np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, -1),
-                 np.zeros(1, bool), np.full(1, -1))
+    store.append(
+        n,
+        np.zeros(1, np.int64),
+        np.zeros(1, np.int64),
+        np.full(1, -1),
+        np.zeros(1, bool),
+        np.full(1, -1),
+    )
 
     for p in range(n - 1, -1, -1):
         check_deadline(deadline)
@@ -266,7 +279,7 @@ def _search(
         f_lim = int(np.searchsorted(cost.f_ticks, cost.f_ticks[p] + cutoff_ticks, side="right")) - 1
         qmax = max(p + 1, min(qmax, f_lim))
         row = arrays.segment_row(p, qmax)
-        seg_ticks = cost.f_ticks[p + 1:qmax + 1] - cost.f_ticks[p] + cost.overhead_ticks
+        seg_ticks = cost.f_ticks[p + 1 : qmax + 1] - cost.f_ticks[p] + cost.overhead_ticks
         clo, chi = int(c_offset[qmax]), store.c_size
         c_col = store.c_pos[clo:chi] - (p + 1)
         c_loc = row[c_col]
@@ -274,8 +287,9 @@ def _search(
         h_lo = np.maximum(c_loc, c_hmin)
         # Discard chunks whose least cost and least headroom already exceed the limit.
         seg_keys = seg_ticks * cost.base + 1
-        c_ok = (h_lo <= cap) & (store.c_kmin[clo:chi] + seg_keys[c_col] + least_key(p, h_lo)
-                                <= limit)
+        c_ok = (h_lo <= cap) & (
+            store.c_kmin[clo:chi] + seg_keys[c_col] + least_key(p, h_lo) <= limit
+        )
         # Reversed: fronts are stored for q descending; candidates must come in the
         # tie-break order (segments by q ascending, then keep) for the stable sort below.
         c_sel = (np.flatnonzero(c_ok) + clo)[::-1]
@@ -301,7 +315,7 @@ def _search(
         cand_end = np.concatenate((q_lab[seg_sel], np.full(len(keep_sel), p + 1)))
         cand_child = np.concatenate((idx[seg_sel], keep_sel + klo))
         cand_seg = np.zeros(len(cand_h), dtype=bool)
-        cand_seg[:len(seg_sel)] = True
+        cand_seg[: len(seg_sel)] = True
         # A label whose best completion is worse than the known plan in (cost, segments)
         # cannot lead to the answer; equal ones stay for the peak/lexicographic tie-break.
         est = cand_k + least_key(p, cand_h)
@@ -315,15 +329,10 @@ def _search(
         if beam and len(sel) > beam:
             # Heuristic pass: keep the least-headroom label (it extends the minimum-peak
             # plan, so a feasible answer survives) and the best estimated totals.
-            best = np.argsort(est[sel[1:]], kind="stable")[:beam - 1] + 1
+            best = np.argsort(est[sel[1:]], kind="stable")[: beam - 1] + 1
             sel = sel[np.sort(np.concatenate(([0], best)))]
         store.append(p, cand_h[sel], cand_k[sel], cand_end[sel], cand_seg[sel], cand_child[sel])
-        if stats is not None:
-            stats.candidates += len(cand_h)
-            stats.max_front = max(stats.max_front, len(sel))
 
-    if stats is not None:
-        stats.labels = store.size
     first, last = int(offset[0]), store.size
     if last <= first:
         return None  # every plan within ``limit`` was pruned (the limit was below optimum)

@@ -22,7 +22,7 @@ Constraints:
   it makes the chosen units an exact partition of the stages;
 * ``P_b = P_{b-1} + sum_{u ends at b} stored(u) x_u``;
 * memory, for every stage ``i``: ``P_i + sum_{u covers i} local(u) x_u <= budget - static``.
-  This is the brief's per-unit big-M constraint ``P_start(u) + local(u) <= budget -
+  This is the per-unit big-M constraint of the chain model ``P_start(u) + local(u) <= budget -
   static + M (1 - x_u)`` with ``M = local(u)``, aggregated over the units covering ``i``:
   exactly one of them is chosen, and ``P_i = P_start(u)`` for that unit because no unit
   ends strictly inside it. Aggregating is valid for every stage (not only starts) and
@@ -42,7 +42,7 @@ the answer is then reported ``feasible`` with unknown gap, never ``optimal``.
 
 MIP start
 ---------
-The brief asked for ``warmStart=True``. With the CBC that ships with PuLP (2.10.3, 2019)
+A warm start (``warmStart=True``) was the design's first choice. With the CBC that ships with PuLP (2.10.3, 2019)
 a MIP start makes CBC occasionally report a *worse* plan as proven optimal: on 36
 random 100-stage chains (budgets 30/50/70%) started from the greedy plan, 1 run in 36
 claimed optimality 0.56% above the true optimum, with default, ``preprocess on`` and
@@ -111,8 +111,9 @@ def _solver(time_limit_s: float, log_path: str, mip_start: bool) -> pulp.LpSolve
         # PuLP 3.x flags the bundled-CBC wrapper for removal in 4.0; it is still the only
         # CBC that ships with the wheel, so keep using it quietly.
         warnings.simplefilter("ignore", DeprecationWarning)
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, warmStart=mip_start,
-                                 logPath=log_path, threads=1)
+        return pulp.PULP_CBC_CMD(
+            msg=False, timeLimit=time_limit_s, warmStart=mip_start, logPath=log_path, threads=1
+        )
 
 
 def _variable(model: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVariable:
@@ -122,8 +123,9 @@ def _variable(model: pulp.LpProblem, name: str, **kwargs: object) -> pulp.LpVari
     return pulp.LpVariable(name, **kwargs)
 
 
-def _candidates(arrays: ChainArrays, headroom: int, incumbent: list[tuple[int, int]] | None,
-                max_units: int):
+def _candidates(
+    arrays: ChainArrays, headroom: int, incumbent: list[tuple[int, int]] | None, max_units: int
+):
     """Units that some feasible plan at most as expensive as ``incumbent`` may use.
 
     A unit ``u`` starting at ``i`` and ending at ``j`` is dropped when no feasible plan can
@@ -157,21 +159,22 @@ def _candidates(arrays: ChainArrays, headroom: int, incumbent: list[tuple[int, i
         qmax = min(n, arrays.row_limit(i, room))
         row = arrays.segment_row(i, qmax)
         ends = np.arange(i + 1, qmax + 1)
-        need = np.maximum(row, arrays.a[i] + peaks[i + 1:qmax + 1])
+        need = np.maximum(row, arrays.a[i] + peaks[i + 1 : qmax + 1])
         ok = need <= room
         if bound is not None:
             seg_ticks = cost.f_ticks[ends] - cost.f_ticks[i] + cost.overhead_ticks
             ok &= seg_ticks + bound(i, need) <= allow
         for j in ends[ok].tolist():
-            units.append((i, j, True, int(arrays.a[i]), int(row[j - i - 1]),
-                          float(f[j] - f[i]) + overhead))
+            units.append(
+                (i, j, True, int(arrays.a[i]), int(row[j - i - 1]), float(f[j] - f[i]) + overhead)
+            )
     restricted = False
     if len(units) > max_units:
         # Not provably safe: drop the longest segments first (documented above).
         restricted = True
         kept = [u for u in units if not u[2]]
         segs = sorted((u for u in units if u[2]), key=lambda u: (u[1] - u[0], u[0]))
-        units = sorted(kept + segs[:max(0, max_units - len(kept))], key=lambda u: (u[0], u[1]))
+        units = sorted(kept + segs[: max(0, max_units - len(kept))], key=lambda u: (u[0], u[1]))
     return units, restricted
 
 
@@ -221,8 +224,10 @@ def ilp_plan(
     model += pulp.lpSum(x[u] for u in starting[0]) == 1, "leave_0"
     model += pulp.lpSum(x[u] for u in ending[n]) == 1, f"enter_{n}"
     for b in range(1, n):
-        model += (pulp.lpSum(x[u] for u in ending[b]) == pulp.lpSum(x[u] for u in starting[b]),
-                  f"flow_{b}")
+        model += (
+            pulp.lpSum(x[u] for u in ending[b]) == pulp.lpSum(x[u] for u in starting[b]),
+            f"flow_{b}",
+        )
         stored = pulp.lpSum(units[u][3] / byte_scale * x[u] for u in ending[b])
         model += prefix[b] == (prefix[b - 1] if b > 1 else 0) + stored, f"prefix_{b}"
     rows: list[list[int]] = starting[:n]
@@ -235,8 +240,11 @@ def ilp_plan(
         load = pulp.lpSum(units[u][4] / byte_scale * x[u] for u in rows[m])
         model += (load + (prefix[m] if m > 0 else 0)) <= 1.0, f"memory_{m}"
 
-    warm = mip_start and warm_start is not None and _set_warm_start(
-        units, x, prefix, ending, warm_start, n, byte_scale)
+    warm = (
+        mip_start
+        and warm_start is not None
+        and _set_warm_start(units, x, prefix, ending, warm_start, n, byte_scale)
+    )
     remaining = max(1.0, limit - (time.perf_counter() - started))
     fd, log_path = tempfile.mkstemp(prefix="autockpt_cbc_", suffix=".log")
     os.close(fd)
@@ -259,9 +267,13 @@ def ilp_plan(
     if not usable or any(v is None for v in values):
         return IlpResult(None, False, lower, restricted, len(units), aggregated)
     plan = _decode([units[u] for u, v in enumerate(values) if v > 0.5], n)
-    proved = (plan is not None and not restricted and not _stopped_early(log)
-              and model.status == pulp.LpStatusOptimal
-              and model.sol_status == pulp.LpSolutionOptimal)
+    proved = (
+        plan is not None
+        and not restricted
+        and not _stopped_early(log)
+        and model.status == pulp.LpStatusOptimal
+        and model.sol_status == pulp.LpSolutionOptimal
+    )
     return IlpResult(plan, proved, lower, restricted, len(units), aggregated)
 
 
