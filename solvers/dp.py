@@ -224,7 +224,7 @@ def optimal_plan(
             arrays, cost.f_ticks, cost.overhead_ticks, headroom, msp, deadline
         )
         for beam in _BEAMS:
-            found = _search(arrays, cost, headroom, msp, bound, limit, beam, deadline, None)
+            found = _search(arrays, cost, headroom, msp, bound, limit, beam, deadline)
             if found is not None and cost.plan_key(found) <= limit:
                 incumbent, limit = found, cost.plan_key(found)
         return _search(arrays, cost, headroom, msp, bound, limit, 0, deadline)
