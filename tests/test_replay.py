@@ -215,3 +215,17 @@ def test_backward_windows_belong_to_the_nodes_that_created_them():
     fast = rewrite(model, captured, [SegmentSpec(0, 2, preserve_rng=False)])
     measured = autockpt.measure(fast, inputs, repeat=1).peak_bytes
     assert abs(simulate(trace, [(0, 2)]).peak_bytes - measured) <= TOLERANCE * measured
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet", "unet", "mlp_mixer"])
+def test_planning_allocates_no_more_than_the_leanest_plan(name):
+    """The allocator's own peak while planning (the probe: the only real tensors planning
+    makes before verification) stays at or under the leanest plan's peak, and the replay of
+    the unmodified step equals the real step planning never ran."""
+    model, example = ZOO[name]()
+    planner = _planner(model, example)
+    assert planner.planning_peak_bytes is not None
+    assert planner.planning_peak_bytes <= planner.minimum_peak_bytes
+    measured = autockpt.measure(model, example, repeat=1).peak_bytes
+    assert planner.planning_peak_bytes < measured
+    assert abs(planner.no_checkpoint_peak_bytes - measured) <= 0.005 * measured
