@@ -9,23 +9,47 @@ space and can be priced and compared), the frontier's per-block baseline
 (``distributed.detect_units``). One finder serves all three, so the baseline the frontier
 draws, the units FSDP shards and the cuts the chain keeps are the same blocks.
 
-The rule (:func:`find_repeated_blocks`): the ``nn.ModuleList`` / ``nn.Sequential`` with at
-least two children, all of exactly one class, that holds the most parameters. Why:
+The rule (:func:`find_repeated_blocks`) has two steps.
 
-* *Same class*: repeated layers are instances of one class (``GPT2Block``, ``BasicBlock``);
-  a mixed ``Sequential`` (a stem: conv, norm, activation) is a pipeline, not layers.
-* *Most parameters*: the container of the layers holds the model's bulk. Nested candidates
-  resolve towards the one that covers more of the model (Hugging Face ResNet's
-  ``encoder.stages`` over one stage's ``layers``); a small repeated group (the two
-  projections of an attention block, the heads of a classifier) never wins over the body.
-* *With parameters at all*: a parameter-free container (activations, pooling) is nothing
-  anyone checkpoints or shards by hand; if it is all a model has, it has no blocks.
-* *Ties*: more children, then the smallest qualified name, so every process (every rank)
-  picks the same container whatever the order of ``named_modules()``.
+1. *The block class*: the class of the children of the ``nn.ModuleList`` /
+   ``nn.Sequential`` with at least two children, all of exactly one class, that holds the
+   most parameters.
 
-Both finders this module replaces applied this rule except at the edges: one admitted
+   * *Same class*: repeated layers are instances of one class (``GPT2Block``,
+     ``BasicBlock``); a mixed ``Sequential`` (a stem: conv, norm, activation) is a
+     pipeline, not layers.
+   * *Most parameters*: the layers hold the model's bulk. Nested candidates resolve
+     towards the one that covers more of the model (Hugging Face ResNet's
+     ``encoder.stages`` over one stage's ``layers``); a small repeated group (the two
+     projections of an attention block, the heads of a classifier) never sets the class.
+   * *With parameters at all*: a parameter-free container (activations, pooling) is
+     nothing anyone checkpoints or shards by hand; if it is all a model has, it has no
+     blocks.
+   * *Ties*: more children, then the smallest qualified name, so every process (every
+     rank) picks the same class whatever the order of ``named_modules()``.
+
+2. *The blocks*: the children of *every* ``ModuleList`` / ``Sequential`` whose children
+   (one or more) are all of exactly that class, except containers inside a block already
+   taken, in ``named_modules()`` order (registration order, the same in every process).
+   Why every container: the layers of many models are split over several containers, and
+   the hand plan checkpoints all of them. torchvision's ResNet keeps its ``BasicBlock`` s
+   in ``layer1`` .. ``layer4``, T5 its ``T5Block`` s in ``encoder.block`` and
+   ``decoder.block``; the container with the most parameters alone is ``layer4`` or the
+   decoder, and a plan or FSDP wrapping built from it leaves most blocks out. One child is
+   enough here (a stage of one block, as in a ResNet configured with one block per
+   layer): the class is already known from step 1, and that block is as much a layer as
+   its siblings elsewhere. Containers inside a taken block (a ``BasicBlock``'s
+   ``downsample``, a transformer block's own list of sub-layers) belong to that block:
+   a block is checkpointed or sharded whole, so blocks never nest.
+
+   A generic class (``nn.Linear`` when a model's biggest repeated group is a list of
+   plain linears) takes every list of that class outside a taken block; the rule does not
+   guess which of those lists are "layers", it stays the one rule for all three users.
+
+Both finders this module replaced applied step 1 except at the edges (one admitted
 parameter-free containers and broke ties towards the *largest* name, the other broke ties
-by traversal order. The rule above is theirs with those edges made explicit.
+by traversal order) and stopped there; step 2 is what a hand-written per-block plan spread
+over several containers needs.
 """
 
 from __future__ import annotations
@@ -41,59 +65,82 @@ from autockpt.trace import Capture
 
 @dataclass(frozen=True)
 class RepeatedBlocks:
-    """A container of repeated blocks: its qualified name (``""`` for the root itself) and
-    its children's qualified names, in registration order."""
+    """The repeated blocks of a model: their class's name, the qualified names of the
+    containers that hold them (``""`` for the root itself) and the blocks' own qualified
+    names, container by container in registration order."""
 
-    container: str
+    block_class: str
+    containers: tuple[str, ...]
     children: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        """The containers' names, joined (``"h"``; ``"layer1, layer2, layer3, layer4"``):
+        where the blocks are, for reports and figures."""
+        return ", ".join(self.containers)
 
 
 def find_repeated_blocks(model: nn.Module) -> RepeatedBlocks | None:
-    """The ``ModuleList``/``Sequential`` of >= 2 same-class children holding the most
-    parameters (ties: more children, then the smallest name); ``None`` when the model has
-    none. See the module docstring for why this rule."""
+    """Every child of class C of every ``ModuleList``/``Sequential`` whose children are all of
+    class C and that lies outside another such child, C being the class of the children of
+    the ``ModuleList``/``Sequential`` of >= 2 same-class children holding the most parameters
+    (ties: more children, then the smallest name); ``None`` when the model has none. See the
+    module docstring for why this rule."""
+    containers = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 0
+    ]
     best: tuple[int, int, str] | None = None
-    found: RepeatedBlocks | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
-            continue
-        children = list(module.named_children())
-        if len({type(child) for _, child in children}) != 1:
+    block_type: type[nn.Module] | None = None
+    for name, module in containers:
+        child_types = {type(child) for child in module.children()}
+        if len(module) < 2 or len(child_types) != 1:
             continue
         params = sum(p.numel() for p in module.parameters())
         if params == 0:
             continue
-        key = (params, len(children), name)
+        key = (params, len(module), name)
         if best is None or key[:2] > best[:2] or (key[:2] == best[:2] and name < best[2]):
             best = key
-            prefix = f"{name}." if name else ""
-            found = RepeatedBlocks(name, tuple(f"{prefix}{child}" for child, _ in children))
-    return found
+            block_type = child_types.pop()
+    if block_type is None:
+        return None
+    taken: list[str] = []
+    children: list[str] = []
+    for name, module in containers:
+        if any(type(child) is not block_type for child in module.children()):
+            continue
+        if any(_within(name, block) for block in children):
+            continue
+        taken.append(name)
+        prefix = f"{name}." if name else ""
+        children.extend(f"{prefix}{child}" for child, _ in module.named_children())
+    return RepeatedBlocks(block_type.__name__, tuple(taken), tuple(children))
 
 
 def block_node_ranges(capture: Capture, blocks: RepeatedBlocks | None) -> tuple[NodeRange, ...]:
     """Per block, the half-open range of compute-node indices it runs, in graph order.
 
-    A node belongs to the block whose qualified name prefixes a module path on its
-    ``nn_module_stack`` (fx and ``torch.export`` graphs both carry it) or its
-    ``call_module`` target (a block captured as a leaf is one node). A block's range spans
-    its first to its last node. Nodes of the surrounding code that the graph places inside
-    that span are merged into it: checkpointing a block's call runs them inside the
-    checkpoint too (they are the block's argument handling), and a segment must be
-    contiguous. Blocks that are never called (no nodes: unused, or hidden inside a leaf
-    that holds the whole container) are left out, and so are blocks whose spans overlap
+    A node belongs to the block whose qualified name is a module path on its
+    ``nn_module_stack`` (fx and ``torch.export`` graphs both carry it), or a prefix of one,
+    or of its ``call_module`` target (a block captured as a leaf is one node). A block's
+    range spans its first to its last node. Nodes of the surrounding code that the graph
+    places inside that span are merged into it: checkpointing a block's call runs them
+    inside the checkpoint too (they are the block's argument handling), and a segment must
+    be contiguous. Blocks that are never called (no nodes: unused, or hidden inside a leaf
+    that holds a whole container) are left out, and so are blocks whose spans overlap
     another block's (a module called twice around another one): such a block has no range
     that is its own. The result may therefore hold fewer ranges than ``blocks.children``.
     """
     if blocks is None:
         return ()
-    prefix = f"{blocks.container}." if blocks.container else ""
-    wanted = set(blocks.children)
+    wanted = frozenset(blocks.children)
     span: dict[str, list[int]] = {}
     for index, node in enumerate(capture.compute_nodes()):
-        child = _child_of(node, prefix)
-        if child in wanted:
-            first_last = span.setdefault(child, [index, index])
+        block = _block_of(node, wanted)
+        if block is not None:
+            first_last = span.setdefault(block, [index, index])
             first_last[1] = index
     ranges = sorted(NodeRange(first, last + 1) for first, last in span.values())
     overlapping: set[int] = set()
@@ -113,9 +160,14 @@ def block_cut_positions(capture: Capture, blocks: RepeatedBlocks | None) -> tupl
     return tuple(sorted({p for r in ranges for p in r if 0 < p < n}))
 
 
-def _child_of(node: fx.Node, prefix: str) -> str | None:
-    """The direct child of the container (``prefix``, with its trailing dot; ``""`` for the
-    root) that ``node`` runs inside, if any."""
+def _within(name: str, module: str) -> bool:
+    """Whether the qualified name ``name`` is ``module`` or lies inside it."""
+    return name == module or name.startswith(f"{module}.")
+
+
+def _block_of(node: fx.Node, blocks: frozenset[str]) -> str | None:
+    """The block (one of ``blocks``' qualified names, which never nest) that ``node`` runs
+    inside, if any: the outermost module path of the node that is a block or inside one."""
     paths = []
     for key, value in (node.meta.get("nn_module_stack") or {}).items():
         # fx and export store (qualified name, class); older graphs keyed by the name only
@@ -125,7 +177,10 @@ def _child_of(node: fx.Node, prefix: str) -> str | None:
     if node.op == "call_module":
         paths.append(str(node.target))
     for path in paths:
-        if path.startswith(prefix) and len(path) > len(prefix):
-            # export marks a module's repeated calls as "name@1"; the module is the same
-            return prefix + path[len(prefix) :].split(".")[0].split("@")[0]
+        # export marks a module's repeated calls as "name@1"; the module is the same
+        parts = [part.split("@")[0] for part in path.split(".")] if path else []
+        for depth in range(1, len(parts) + 1):
+            candidate = ".".join(parts[:depth])
+            if candidate in blocks:
+                return candidate
     return None

@@ -125,10 +125,11 @@ def resolve_sharding(
 
 
 def detect_units(model: nn.Module) -> tuple[str, ...]:
-    """The repeated blocks of ``model`` (:func:`autockpt.blocks.find_repeated_blocks`: the
-    children of the ``ModuleList`` or ``Sequential`` of same-class modules holding the most
-    parameters, e.g. the transformer layers), the same blocks the chain keeps cuts around.
-    Raises :class:`ShardingError` when there is none."""
+    """The repeated blocks of ``model`` (:func:`autockpt.blocks.find_repeated_blocks`: every
+    instance of the block class, e.g. the transformer layers, in every ``ModuleList`` or
+    ``Sequential`` holding them: both of T5's stacks, all four layers of a torchvision
+    ResNet), the same blocks the chain keeps cuts around, in registration order. Raises
+    :class:`ShardingError` when there is none."""
     blocks = find_repeated_blocks(model)
     if blocks is None:
         raise ShardingError(

@@ -292,8 +292,9 @@ class FrontierPoint:
 @dataclass(frozen=True)
 class Frontier:
     """Pareto-optimal plans across budgets (``points``, by increasing peak) plus the
-    sqrt(n) baseline and, when the model has a container of repeated blocks, the plan that
-    checkpoints each block (``per_block``, with the container's name)."""
+    sqrt(n) baseline and, when the model has repeated blocks, the plan that checkpoints each
+    block (``per_block``; ``block_container``: the names of the containers holding the
+    blocks, joined by ", ")."""
 
     model: str
     scope: str
@@ -424,13 +425,14 @@ def _measure(planner: Planner, module: Any) -> Any:
 
 
 def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[int, int], ...]]:
-    """Checkpoint each child of the model's container of repeated blocks (the hand-written
-    baseline most code uses, "checkpoint every layer"), as stage ranges of the planner's
-    chain.
+    """Checkpoint each of the model's repeated blocks (the hand-written baseline most code
+    uses, "checkpoint every layer"), as stage ranges of the planner's chain, with the names
+    of the containers holding them (:attr:`autockpt.blocks.RepeatedBlocks.label`).
 
     The blocks are :func:`autockpt.blocks.find_repeated_blocks`' (the same ones FSDP units
-    and the chain's required cuts come from). When the chain has a cut at every block
-    boundary (it does when built with ``required_cuts`` from
+    and the chain's required cuts come from): every block of the model's block class, in
+    every container that holds them (T5's encoder and decoder blocks alike). When the chain
+    has a cut at every block boundary (it does when built with ``required_cuts`` from
     :func:`autockpt.blocks.block_cut_positions`), each block is exactly one segment.
     Otherwise each block becomes the stages lying wholly inside it, and a block too small to
     hold a whole stage is skipped. Returns ``(None, ())`` for a model without repeated
@@ -445,7 +447,7 @@ def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[i
     ranges = block_node_ranges(planner.capture, blocks)
     exact = chain.stage_ranges_for(ranges)
     if exact is not None:
-        return blocks.container, tuple((r.start, r.end) for r in exact)
+        return blocks.label, tuple((r.start, r.end) for r in exact)
     segments: list[tuple[int, int]] = []
     for first, stop in ranges:
         inside = [
@@ -453,7 +455,7 @@ def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[i
         ]
         if inside and (not segments or inside[0] >= segments[-1][1]):
             segments.append((inside[0], inside[-1] + 1))
-    return blocks.container, tuple(segments)
+    return blocks.label, tuple(segments)
 
 
 def frontier_figure(result: Frontier) -> Figure:

@@ -132,6 +132,66 @@ def _stack(block: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
     return Stack(block).train(), torch.randn(4, 16)
 
 
+class TorchvisionBasicBlock(nn.Module):
+    """torchvision's ``BasicBlock``: conv-BN-ReLU-conv-BN, a ``downsample`` Sequential
+    (1x1 conv, BN) when the shape changes, in-place residual add and ReLU."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class TorchvisionResNet18(nn.Module):
+    """torchvision's ResNet-18 layout: stem, ``layer1`` .. ``layer4`` (a ``Sequential`` of
+    two :class:`TorchvisionBasicBlock` s each), pooled linear head. ``layer4`` alone holds
+    most parameters, so the biggest container is a quarter of the blocks."""
+
+    def __init__(self, width: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        inplanes = width
+        for k in range(4):
+            planes = width * 2**k
+            stride = 1 if k == 0 else 2
+            layer = nn.Sequential(
+                TorchvisionBasicBlock(inplanes, planes, stride),
+                TorchvisionBasicBlock(planes, planes),
+            )
+            setattr(self, f"layer{k + 1}", layer)
+            inplanes = planes
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(inplanes, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _resnet18() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return TorchvisionResNet18().train(), torch.randn(2, 3, 32, 32)
+
+
 # -- the finder --------------------------------------------------------------------------------
 
 
@@ -139,32 +199,101 @@ def _linears(count: int, width: int) -> nn.ModuleList:
     return nn.ModuleList(nn.Linear(width, width) for _ in range(count))
 
 
-def test_finder_picks_the_same_class_container_with_most_parameters():
+class OtherLinear(nn.Linear):
+    """A class of its own (the finder compares exact classes)."""
+
+
+class ThirdLinear(nn.Linear):
+    """Another class of its own."""
+
+
+def test_finder_takes_the_class_of_the_same_class_container_with_most_parameters():
     model = nn.Module()
     model.stem = nn.Sequential(nn.Linear(64, 64), nn.ReLU())  # mixed classes: a pipeline
-    model.small = _linears(3, 4)
-    model.body = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8)) for _ in range(2)))
+    model.small = nn.ModuleList(nn.Conv1d(4, 4, 1) for _ in range(3))  # fewer parameters
     model.acts = nn.ModuleList(nn.ReLU() for _ in range(5))  # no parameters: not layers
     model.big = _linears(2, 16)
-    assert find_repeated_blocks(model) == RepeatedBlocks("big", ("big.0", "big.1"))
+    assert find_repeated_blocks(model) == RepeatedBlocks("Linear", ("big",), ("big.0", "big.1"))
     assert detect_units(model) == ("big.0", "big.1")
 
 
 def test_finder_ties_go_to_more_children_then_the_smallest_name():
     model = nn.Module()
     model.b = _linears(2, 4)  # registered first: traversal order must not decide
-    model.a = _linears(2, 4)
-    assert find_repeated_blocks(model).container == "a"
-    model.c = nn.ModuleList(nn.Linear(4, 2) for _ in range(4))  # as many parameters
+    model.a = nn.ModuleList(OtherLinear(4, 4) for _ in range(2))
+    assert find_repeated_blocks(model) == RepeatedBlocks("OtherLinear", ("a",), ("a.0", "a.1"))
+    model.c = nn.ModuleList(ThirdLinear(4, 2) for _ in range(4))  # as many parameters
     assert sum(p.numel() for p in model.c.parameters()) == sum(
         p.numel() for p in model.a.parameters()
     )
-    assert find_repeated_blocks(model).container == "c"
+    assert find_repeated_blocks(model).containers == ("c",)
+
+
+class Nesting(nn.Module):
+    """A block that may hold a list of blocks of its own class."""
+
+    def __init__(self, width: int, inner: int = 0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.inner = nn.ModuleList(Nesting(width) for _ in range(inner))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        for block in self.inner:
+            x = block(x)
+        return x
+
+
+class Layered(nn.Module):
+    """Blocks of one class in several containers, called in an order of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lone = Nesting(4)
+        self.layer1 = nn.Sequential(Nesting(4, inner=2), Nesting(4))
+        self.mixed = nn.Sequential(Nesting(4), nn.ReLU())
+        self.layer2 = nn.Sequential(Nesting(4))
+        self.heads = _linears(2, 4)
+        self.layer3 = nn.ModuleList(Nesting(4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mixed(self.lone(x))
+        x = self.layer3[1](self.layer2(self.layer3[0](x)))
+        return self.heads[1](self.heads[0](self.layer1(x)))
+
+
+def test_finder_takes_every_container_of_the_block_class():
+    """The class comes from the biggest container (``layer1``, with its nested blocks); the
+    blocks are the children of every container of that class, in registration order: one
+    child is enough (``layer2``), a mixed container is a pipeline (``mixed``), another class
+    is not a block (``heads``), a lone block is in no container (``lone``), and a list
+    inside a block is part of that block (``layer1.0.inner``): blocks never nest."""
+    model = Layered()
+    blocks = find_repeated_blocks(model)
+    assert blocks == RepeatedBlocks(
+        "Nesting",
+        ("layer1", "layer2", "layer3"),
+        ("layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer3.1"),
+    )
+    assert blocks.label == "layer1, layer2, layer3"
+    assert detect_units(model) == blocks.children
+    # the node ranges follow the graph, whatever the registration order
+    cap = capture(model, Inputs.of(torch.randn(2, 4)))
+    ranges = _assert_ranges_are_the_blocks(cap, blocks, ordered=False)
+    first = dict(zip(blocks.children, (r.first for r in ranges), strict=True))
+    assert sorted(first, key=first.__getitem__) == [
+        "layer3.0",
+        "layer2.0",
+        "layer3.1",
+        "layer1.0",
+        "layer1.1",
+    ]
+    assert block_node_ranges(cap, blocks) == tuple(sorted(ranges))
 
 
 def test_finder_root_container_and_models_without_blocks():
     root = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    assert find_repeated_blocks(root) == RepeatedBlocks("", ("0", "1", "2"))
+    assert find_repeated_blocks(root) == RepeatedBlocks("Linear", ("",), ("0", "1", "2"))
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.ModuleList([nn.ReLU(), nn.ReLU()]))
     assert find_repeated_blocks(flat) is None
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
@@ -175,24 +304,30 @@ def test_finder_root_container_and_models_without_blocks():
 
 
 @pytest.mark.parametrize(
-    ("name", "container", "count"),
+    ("name", "containers", "count"),
     [
-        ("gpt", "h", 4),
-        ("resnet", "stages", 6),
-        ("mlp_mixer", "layers", 6),
-        ("two_in_two_out", "x_blocks", 4),  # over y_blocks and y_to_x: most parameters
-        ("kwargs_model", "layers", 6),
+        ("gpt", ("h",), 4),
+        ("resnet", ("stages",), 6),
+        ("mlp_mixer", ("layers",), 6),
+        ("two_in_two_out", ("x_blocks",), 4),  # over y_blocks and y_to_x: most parameters
+        ("kwargs_model", ("layers",), 6),
+        ("untraceable_submodule", ("before", "after"), 6),  # both sides of the router
         ("unet", None, 0),  # encoder and decoder stages are all different: no blocks
     ],
 )
-def test_zoo_blocks_are_the_layers(name, container, count):
+def test_zoo_blocks_are_the_layers(name, containers, count):
     model, _ = ZOO[name]()
     blocks = find_repeated_blocks(model)
-    if container is None:
+    if containers is None:
         assert blocks is None
         return
-    prefix = f"{container}."
-    assert blocks == RepeatedBlocks(container, tuple(f"{prefix}{k}" for k in range(count)))
+    assert blocks.containers == containers
+    children = tuple(
+        f"{container}.{k}"
+        for container in containers
+        for k in range(len(model.get_submodule(container)))
+    )
+    assert blocks.children == children and len(children) == count
     assert detect_units(model) == blocks.children  # the FSDP units are the same blocks
 
 
@@ -208,11 +343,18 @@ def _inside(node: torch.fx.Node, child: str) -> bool:
     return any(p == child or p.startswith(f"{child}.") for p in _module_paths(node))
 
 
-def _assert_ranges_are_the_blocks(cap: Capture, blocks: RepeatedBlocks) -> tuple[NodeRange, ...]:
-    """One range per block, in order, each holding exactly that block's nodes."""
+def _assert_ranges_are_the_blocks(
+    cap: Capture, blocks: RepeatedBlocks, ordered: bool = True
+) -> tuple[NodeRange, ...]:
+    """One range per block, each holding exactly that block's nodes; returned in graph
+    order, which is the blocks' own order when ``ordered`` (else in the blocks' order)."""
     nodes = cap.compute_nodes()
     ranges = block_node_ranges(cap, blocks)
     assert len(ranges) == len(blocks.children)
+    if not ordered:
+        ranges = tuple(
+            next(r for r in ranges if _inside(nodes[r.first], child)) for child in blocks.children
+        )
     for child, (first, stop) in zip(blocks.children, ranges, strict=True):
         assert first < stop
         assert all(_inside(node, child) for node in nodes[first:stop]), child
@@ -226,7 +368,9 @@ def _assert_ranges_are_the_blocks(cap: Capture, blocks: RepeatedBlocks) -> tuple
 def test_ranges_from_fx_and_leaf_blocks():
     model, x = ZOO["resnet"]()
     blocks = find_repeated_blocks(model)
-    assert blocks == RepeatedBlocks("stages", tuple(f"stages.{k}" for k in range(6)))
+    assert blocks == RepeatedBlocks(
+        "BasicBlock", ("stages",), tuple(f"stages.{k}" for k in range(6))
+    )
     cap = capture(model, Inputs.of(x))
     ranges = _assert_ranges_are_the_blocks(cap, blocks)
     # a block captured as a leaf is one call_module node, and still a block
@@ -244,7 +388,9 @@ def test_ranges_from_fx_and_leaf_blocks():
 
 def test_ranges_from_an_export_graph(hf_gpt2):
     assert hf_gpt2.capture.method == "export"
-    assert hf_gpt2.blocks == RepeatedBlocks("transformer.h", ("transformer.h.0", "transformer.h.1"))
+    assert hf_gpt2.blocks == RepeatedBlocks(
+        "GPT2Block", ("transformer.h",), ("transformer.h.0", "transformer.h.1")
+    )
     _assert_ranges_are_the_blocks(hf_gpt2.capture, hf_gpt2.blocks)
 
 
@@ -361,6 +507,50 @@ def test_per_block_plan_is_reachable_on_zoo_models(name):
 
 def test_per_block_plan_is_reachable_on_a_hugging_face_model(hf_gpt2):
     _assert_per_block_plan_reachable(hf_gpt2)
+
+
+RESNET18_BLOCKS = tuple(f"layer{k}.{i}" for k in range(1, 5) for i in range(2))
+
+
+def test_torchvision_resnet18_blocks_are_all_four_layers():
+    """``layer4`` holds the most parameters; all eight blocks of ``layer1`` .. ``layer4``
+    are the blocks, not ``layer4``'s two (and not the ``downsample`` Sequentials inside)."""
+    model, x = _resnet18()
+    layer4 = sum(p.numel() for p in model.layer4.parameters())
+    assert all(
+        sum(p.numel() for p in model.get_submodule(f"layer{k}").parameters()) < layer4
+        for k in range(1, 4)
+    )
+    blocks = find_repeated_blocks(model)
+    assert blocks == RepeatedBlocks(
+        "TorchvisionBasicBlock", ("layer1", "layer2", "layer3", "layer4"), RESNET18_BLOCKS
+    )
+    assert detect_units(model) == RESNET18_BLOCKS
+    case = _case(model, x)
+    # every block boundary is a required cut (the first block starts after the stem, the
+    # last ends before the head; adjacent blocks share a cut)
+    assert case.cuts == (*(r.first for r in case.ranges), case.ranges[-1].stop)
+    _assert_per_block_plan_reachable(case)
+
+
+def test_t5_blocks_are_the_encoder_and_the_decoder_blocks():
+    """T5 keeps its ``T5Block`` s in ``encoder.block`` and ``decoder.block``: the per-block
+    plan checkpoints both stacks (the decoder alone holds more parameters, cross-attention
+    included)."""
+    pytest.importorskip("transformers")
+    from autockpt.zoo_hf import HF_ZOO
+
+    model, inputs = HF_ZOO["hf_t5"]()
+    encoder, decoder = (model.get_submodule(f"{s}.block") for s in ("encoder", "decoder"))
+    assert sum(p.numel() for p in encoder.parameters()) < sum(
+        p.numel() for p in decoder.parameters()
+    )
+    blocks = find_repeated_blocks(model)
+    expected = ("encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1")
+    assert blocks == RepeatedBlocks("T5Block", ("encoder.block", "decoder.block"), expected)
+    assert detect_units(model) == expected
+    case = _case(model, inputs)
+    _assert_per_block_plan_reachable(case)
 
 
 def test_per_block_plan_is_reachable_on_a_densenet():
