@@ -13,8 +13,8 @@ checkpointing matters and where a wrong minimum hurts).
 Per model, in one process: the eager step's peak (``autockpt.measure``) and its activation
 share (peak less parameters, buffers, inputs and parameter gradients); one
 :class:`autockpt.api.Planner` for the stated minimum and the no-checkpoint prediction; the
-per-block plan (``autockpt.report.repeated_block_segments``: each child of the model's
-biggest container of same-type blocks, as chain stage ranges), predicted
+per-block plan (``autockpt.report.repeated_block_segments``: every block of the
+repeated block class (``autockpt/blocks.py``), as chain stage ranges), predicted
 (``planner.predict``) and measured (``planner.rewrite`` + ``autockpt.measure``). The ratio
 column is the stated minimum over the per-block plan's measured peak: above 1, the
 "minimum" is beaten by a plan written by hand.
