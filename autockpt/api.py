@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.blocks import block_cut_positions, find_repeated_blocks
+from autockpt.blocks import block_cut_positions, block_node_ranges, find_repeated_blocks
 from autockpt.distributed import (
     RANK_MARGIN_BYTES,
     Sharding,
@@ -32,14 +32,14 @@ from autockpt.distributed import (
 from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.measure import Measurement, measure
 from autockpt.plan import MemoryBreakdown, MemoryTimeline, Plan, RankMemory, Segment
-from autockpt.problem import DEFAULT_MAX_STAGES, Chain, build_chain
-from autockpt.profile import Profile, profile
+from autockpt.problem import DEFAULT_MAX_STAGES, Chain, StageRange, build_chain
+from autockpt.profile import NodeProfile, Profile, profile
 from autockpt.record import record_trace
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt.runtime import LossFn, device_of
-from autockpt.solve import minimum_peak, no_checkpoint_peak
+from autockpt.solve import SEARCH_METHODS, BudgetSearch
 from autockpt.trace import Capture, Inputs, capture, given_input_names
-from solvers import METHODS, Simulation, Solution, simulate, solve
+from solvers import METHODS, InfeasibleError, Simulation, Solution, simulate
 from solvers.replay import simulate as simulate_plan
 from solvers.replay import timeline as simulate_timeline
 
@@ -212,13 +212,20 @@ class Planner:
             if scope == "total":  # sharding changes only what "activations" leaves out
                 self.chain = dataclasses.replace(chain, problem=sharded)
         self._phase("search", "searching the leanest plan")
-        self._stage_floor = minimum_peak(self.chain.problem)
-        self._stage_ceiling = no_checkpoint_peak(self.chain)
-        self._solutions: dict[tuple[int, str], Solution] = {}
-        self._leanest: Solution | None = None
+        per_block = self.chain.stage_ranges_for(block_node_ranges(self.capture, self.blocks))
+        self.per_block_segments: tuple[StageRange, ...] | None = per_block or None
+        """The per-block hand plan as stage ranges (None without repeated blocks)."""
+        self.search = BudgetSearch(
+            chain=self.chain,
+            trace=self.trace,
+            random=tuple(self._stage_flags(lambda node: node.random)),
+            stash_bytes=tuple(self._stage_stash_bytes()),
+            offset_bytes=in_scope(0, scope, self.profile),
+            predict=self.predict,
+            seeds=(per_block,) if per_block else (),
+        )
         self.no_checkpoint_peak_bytes = self.predict([])
-        leanest = self._leanest_solution()
-        self.minimum_peak_bytes = self.predict(leanest.segments)
+        self.minimum_peak_bytes = self.search.leanest().peak_bytes
         self.breakdown = _breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
         if self.rank_memory is not None and scope == "total":
             self.breakdown = _rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
@@ -285,12 +292,11 @@ class Planner:
             stage_backward_seconds=tuple(round(t, 9) for t in problem.backward_seconds),
         )
 
-    def _node_ranges(self, segments: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[bool]]:
-        """Compute-node ranges of stage ranges, and whether each holds a random op."""
+    def _node_ranges(self, segments: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
+        """Compute-node ranges of stage ranges, and the bytes each segment stashes (its RNG
+        state when it holds a random op, snapshots of the buffers it restores)."""
         node_ranges = [self.chain.node_range(start, end) for start, end in segments]
-        random = [any(self.profile.nodes[i].random for i in range(first, stop))
-                  for first, stop in node_ranges]
-        return node_ranges, random
+        return node_ranges, self.search.replay_chain.preserve_rng(segments)
 
     def _scoped(self, simulated_bytes: int, segments: Sequence[tuple[int, int]]) -> int:
         """A simulated single-process byte count as the planner's scope counts it: per rank
@@ -299,73 +305,45 @@ class Planner:
             return simulated_bytes + self._rank_shift(segments)
         return in_scope(simulated_bytes, self.scope, self.profile)
 
-    def _solve_at(self, solver_budget: int, solver: str, time_limit_s: float) -> Solution:
-        key = (solver_budget, solver)
-        if key not in self._solutions:
-            self._solutions[key] = solve(
-                self.chain.problem.with_budget(solver_budget), method=solver,
-                time_limit_s=time_limit_s,
-            )
-        return self._solutions[key]
+    def _stage_flags(self, flag: Callable[[NodeProfile], bool]) -> list[bool]:
+        nodes = self.profile.nodes
+        return [any(flag(nodes[i]) for i in range(first, stop)) for first, stop in self.chain.stages]
 
-    def _leanest_solution(self) -> Solution:
-        """The plan with the least *simulated* peak among a few candidates.
-
-        The stage model's own leanest plan (dp at its floor) need not be the simulator's:
-        where the stage model over-counts a stage it spends segments in the wrong places
-        (measured on a ResNet: 25.35 MiB against 22.64 MiB for sqrt(L) equal segments). So
-        dp plans at eight stage budgets from the floor up, and the sqrt(L) plan, are all
-        replayed, and the lowest peak (then the least recompute) is the stated minimum.
-        """
-        if self._leanest is None:
-            span = self._stage_ceiling - self._stage_floor
-            candidates = [
-                self._solve_at(self._stage_floor + span * k // 16, "dp", None) for k in range(8)
-            ]
-            candidates.append(self._solve_at(self._stage_ceiling, "sqrt", None))
-            self._leanest = min(
-                (c for c in candidates if c.status != "infeasible"),
-                key=lambda c: (self.predict(c.segments), c.recompute_seconds),
-            )
-        return self._leanest
+    def _stage_stash_bytes(self) -> list[int]:
+        """Per stage, the bytes of the mutated buffers its nodes touch: a segment holding
+        the stage snapshots them at its forward and again while it recomputes
+        (autockpt/rewrite.py, ``_BufferState``)."""
+        mutated = set(self.profile.mutated_buffers)
+        nodes = self.capture.compute_nodes()
+        return [
+            sum(self.model.get_buffer(name).nbytes for name in _buffers_used(nodes[first:stop], mutated))
+            for first, stop in self.chain.stages
+        ]
 
     def _search(self, budget_bytes: int, solver: str, time_limit_s: float) -> Solution:
-        """The least-recompute solution whose *simulated* peak fits ``budget_bytes``.
-
-        Solvers optimise the stage-level chain model, which over-estimates; the simulator
-        is the judge. The solver's budget is therefore searched (bisection between the
-        stage model's leanest and no-checkpoint peaks) for the largest one whose answer the
-        simulator accepts. Raises :class:`InfeasibleBudgetError` with the simulated peak of
-        the leanest plan when not even that fits.
-        """
-        if solver not in METHODS:
-            raise ValueError(f"unknown solver {solver!r}; choose one of {', '.join(METHODS)}")
-        if self.no_checkpoint_peak_bytes <= budget_bytes:
-            return self._solve_at(self._stage_ceiling, solver, time_limit_s)
+        """The least-recompute plan whose predicted peak fits ``budget_bytes``: the search
+        under the replay (``auto``), or a stage-chain solver judged by it
+        (autockpt/solve.py). Raises :class:`InfeasibleBudgetError` below the minimum."""
+        if solver not in METHODS and solver not in SEARCH_METHODS:
+            raise ValueError(
+                f"unknown solver {solver!r}; choose one of {', '.join((*SEARCH_METHODS, *METHODS[1:]))}"
+            )
         if self.minimum_peak_bytes > budget_bytes:
             raise InfeasibleBudgetError(
                 budget_bytes, self.minimum_peak_bytes, self.breakdown, self.scope
             )
-        best: Solution | None = None
-        low, high = self._stage_floor, self._stage_ceiling
-        tolerance = max(1, (high - low) // 256)
-        while high - low > tolerance:
-            middle = (low + high) // 2
-            candidate = self._solve_at(middle, solver, time_limit_s)
-            if candidate.status != "infeasible" and self.predict(candidate.segments) <= budget_bytes:
-                best, low = candidate, middle
-            else:
-                high = middle
-        if best is not None:
-            return best
-        if solver in ("sqrt", "greedy"):
-            # Say so rather than hand back another method's plan under this one's name.
-            raise InfeasibleBudgetError(
-                budget_bytes, self.minimum_peak_bytes, self.breakdown, self.scope,
-                f"The '{solver}' heuristic found no plan that fits, but one exists: use "
-                "solver='auto' (or 'dp'/'ilp').",
+        try:
+            if solver in SEARCH_METHODS:
+                return self.search.least_recompute(budget_bytes, time_limit_s=time_limit_s)
+            return self.search.chain_solver(budget_bytes, solver, time_limit_s=time_limit_s)
+        except InfeasibleError as error:
+            hint = (
+                f"The '{solver}' solver optimises the stage-chain proxy and found no plan that "
+                "fits, but one exists: use solver='auto'."
             )
-        return self._leanest_solution()  # the exact leanest plan is known to fit
+            raise InfeasibleBudgetError(
+                budget_bytes, self.minimum_peak_bytes, self.breakdown, self.scope, hint
+            ) from error
 
     def optimize(
         self,

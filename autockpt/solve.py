@@ -1,22 +1,160 @@
-"""Stage 4 — solve: the chain's bounds from the torch-free ``solvers`` package.
+"""Stage 4 — solve: the plan for a budget, searched under the replay (one memory model).
 
-The search itself (which solver budget yields the cheapest plan the plan simulator accepts)
-lives in :class:`autockpt.api.Planner`, which owns both the chain and the recorded step.
+The peak every plan reports is the replay of the recorded step (:mod:`solvers.replay`),
+so that is also what the search optimises: :func:`solvers.search.least_recompute` and
+:func:`solvers.search.leanest` compare replayed peaks directly ("optimal" and "minimum" are
+meant under the replay, at the user's budget). The stage-chain solvers (``dp``, ``ilp``,
+``sqrt``, ``greedy``) optimise a proxy; they seed the search, and asked for by name they
+are still available, judged by the replay (:func:`chain_solver`).
+
+Every function takes the planner's exact prediction ``predict`` (stage ranges -> bytes in
+the planner's scope, per rank when sharded) and returns only plans whose ``predict`` fits:
+when sharding moves a rank's peak by a plan-dependent amount that the replay alone does not
+see, the search is repeated with the budget tightened by the difference (``_fitting``).
 """
 
 from __future__ import annotations
 
-from autockpt.problem import Chain
-from solvers import METHODS, ChainProblem, minimum_peak_bytes, simulate
+import dataclasses
+from collections.abc import Callable, Sequence
 
-__all__ = ["METHODS", "no_checkpoint_peak", "minimum_peak"]
+from autockpt.problem import Chain, StageRange
+from solvers import METHODS, ChainProblem, InfeasibleError, Solution, solve
+from solvers.replay import MemoryTrace
+from solvers.search import ReplayChain, leanest, least_recompute
+
+__all__ = ["METHODS", "SEARCH_METHODS", "BudgetSearch"]
+
+SEARCH_METHODS = ("auto", "replay")
+"""Solver names that mean the search under the replay (``auto`` is the default)."""
+
+Predict = Callable[[Sequence[tuple[int, int]]], int]
+_TIGHTEN_ROUNDS = 4
 
 
-def no_checkpoint_peak(chain: Chain) -> int:
-    """Predicted peak of the unmodified model (no segment)."""
-    return simulate(chain.problem, []).peak_bytes
+@dataclasses.dataclass
+class BudgetSearch:
+    """Plans for any budget over one chain and one recorded step.
+
+    ``offset_bytes`` turns a replayed single-process peak into the planner's scope (0 for
+    "total", minus parameters, buffers, inputs and gradients for "activations");
+    ``predict`` is the planner's exact prediction (it adds a sharded rank's shift);
+    ``seeds`` are plans the search must never do worse than (the per-block hand plan).
+    """
+
+    chain: Chain
+    trace: MemoryTrace
+    random: Sequence[bool]
+    stash_bytes: Sequence[int]
+    offset_bytes: int
+    predict: Predict
+    seeds: tuple[tuple[StageRange, ...], ...] = ()
+    _leanest: Solution | None = None
+
+    def __post_init__(self) -> None:
+        problem = self.chain.problem
+        self.replay_chain = ReplayChain(
+            trace=self.trace,
+            stages=tuple(self.chain.stages),
+            stage_seconds=problem.forward_seconds,
+            random=tuple(self.random),
+            stash_bytes=tuple(self.stash_bytes),
+            segment_overhead_seconds=problem.segment_overhead_seconds,
+            offset_bytes=self.offset_bytes,
+            problem=problem,
+        )
+        self._chain_solutions: dict[tuple[int, str], Solution] = {}
+
+    # -- the search under the replay -----------------------------------------------------
+
+    def leanest(self, time_limit_s: float | None = 30.0) -> Solution:
+        """The plan with the least predicted peak (ties: least recompute): the stated
+        minimum. Never above any seed's peak (the per-block hand plan among them)."""
+        if self._leanest is None:
+            found = leanest(self.replay_chain, seeds=self.seeds, time_limit_s=time_limit_s)
+            self._leanest = _with_peak(found, self.predict(found.segments))
+        return self._leanest
+
+    def least_recompute(
+        self, budget_bytes: int, *, time_limit_s: float | None = 30.0
+    ) -> Solution:
+        """The least-recompute plan whose predicted peak fits ``budget_bytes``."""
+        return self._fitting(
+            budget_bytes,
+            lambda budget: least_recompute(
+                self.replay_chain, budget, seeds=self.seeds, time_limit_s=time_limit_s
+            ),
+        )
+
+    # -- the stage-chain solvers, judged by the replay -----------------------------------
+
+    def chain_solver(
+        self, budget_bytes: int, solver: str, *, time_limit_s: float
+    ) -> Solution:
+        """``solver``'s answer (dp, ilp, sqrt, greedy: optimal for the stage-chain proxy)
+        at the largest proxy budget whose plan the replay accepts (bisection). Reported as
+        ``feasible``: it is not optimal under the replay."""
+        problem = self.chain.problem
+        floor = _proxy_floor(problem)
+        ceiling = _proxy_ceiling(problem)
+
+        def at(proxy_budget: int) -> Solution:
+            key = (proxy_budget, solver)
+            if key not in self._chain_solutions:
+                self._chain_solutions[key] = solve(
+                    problem.with_budget(proxy_budget), method=solver, time_limit_s=time_limit_s
+                )
+            return self._chain_solutions[key]
+
+        def search(budget: int) -> Solution:
+            best: Solution | None = None
+            low, high = floor, ceiling
+            if self.predict([]) <= budget:
+                return at(ceiling)
+            tolerance = max(1, (high - low) // 256)
+            while high - low > tolerance:
+                middle = (low + high) // 2
+                candidate = at(middle)
+                if candidate.status != "infeasible" and self.predict(candidate.segments) <= budget:
+                    best, low = candidate, middle
+                else:
+                    high = middle
+            if best is None:
+                raise InfeasibleError(f"'{solver}' found no plan within {budget} bytes")
+            return dataclasses.replace(best, status="feasible", gap=None)
+
+        return self._fitting(budget_bytes, search)
+
+    # -------------------------------------------------------------------------------------
+
+    def _fitting(self, budget_bytes: int, search: Callable[[int], Solution]) -> Solution:
+        """``search`` at ``budget_bytes``, tightened while its plan's exact prediction is
+        over (only a sharded rank's plan-dependent shift can make it so). Raises
+        :class:`solvers.InfeasibleError` when no plan fits."""
+        tightened = budget_bytes
+        for _ in range(_TIGHTEN_ROUNDS):
+            found = search(tightened)  # raises InfeasibleError
+            peak = self.predict(found.segments)
+            if peak <= budget_bytes:
+                return _with_peak(found, peak)
+            tightened -= peak - budget_bytes
+        lean = self.leanest()
+        if lean.peak_bytes <= budget_bytes:
+            return lean
+        raise InfeasibleError(f"no plan found within {budget_bytes} bytes")
 
 
-def minimum_peak(problem: ChainProblem) -> int:
-    """Least predicted peak over all plans."""
+def _with_peak(solution: Solution, peak: int) -> Solution:
+    return dataclasses.replace(solution, peak_bytes=peak)
+
+
+def _proxy_floor(problem: ChainProblem) -> int:
+    from solvers import minimum_peak_bytes
+
     return minimum_peak_bytes(problem)[0]
+
+
+def _proxy_ceiling(problem: ChainProblem) -> int:
+    from solvers import simulate
+
+    return simulate(problem, []).peak_bytes

@@ -33,8 +33,10 @@ How
    split and merge segments, and un-checkpoint one stage inside a segment. For
    :func:`least_recompute` the cost-reducing neighbours are tried cheapest first and the
    first one that fits is taken; when none does, pairs of moves (a cost-reducing one, then
-   any one that keeps the total cheaper) are tried, cheapest first, up to a cap. For
-   :func:`leanest`, steepest descent on ``(peak, cost)`` over all neighbours.
+   any one that keeps the total cheaper) are tried, cheapest first, up to a cap; then every
+   re-planning of one window of :data:`_WINDOW` consecutive stages, cheapest first. For
+   :func:`leanest`, a first-improvement descent on ``(peak, cost)``, scanning the
+   neighbours circularly from the last improvement.
 3. **Exact branch and bound** over units left to right (a unit: one kept stage or one
    segment). A prefix is pruned when the replay's lower bound for it
    (:meth:`solvers.replay.Replayer.lower_bound_bytes`: the prefix decided, the rest left
@@ -53,6 +55,7 @@ plan no worse than the seeds, but it may then depend on the machine's speed.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -79,7 +82,7 @@ Plan = tuple[tuple[int, int], ...]
 
 DEFAULT_MAX_EVALUATIONS = 3000
 """Replays the local search may spend (seeds are always all replayed)."""
-DEFAULT_MAX_NODES = 4000
+DEFAULT_MAX_NODES = 2000
 """Prefixes the branch and bound may bound before it gives up proving optimality (raised
 to ``2 * count_plans(L) + L`` for chains of up to :data:`EXHAUSTIVE_STAGES` stages, where
 that many always suffice)."""
@@ -92,6 +95,7 @@ _DP_RUNGS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)  # proxy budgets, sixtee
 _DP_BISECTIONS = 5  # bisection steps between the rungs that bracket the budget
 _PAIR_FIRST_MOVES = 16  # cost-reducing first moves combined into pairs
 _PAIR_CAP = 200  # pairs replayed per pair step
+_WINDOW = 6  # stages re-planned together by the window move (count_plans(6) = 233 plans)
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class ReplayChain:
     random: tuple[bool, ...]
     segment_overhead_seconds: float = 0.0
     offset_bytes: int = 0
+    stash_bytes: tuple[int, ...] = ()
+    """Per stage, bytes a segment holding it snapshots besides the RNG state (the buffers it
+    restores), held like the RNG stash (:func:`solvers.replay.simulate`); empty: none."""
     problem: ChainProblem | None = None
 
     def __post_init__(self) -> None:
@@ -136,6 +143,10 @@ class ReplayChain:
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "stage_seconds", seconds)
         object.__setattr__(self, "random", tuple(bool(r) for r in self.random))
+        stash = tuple(int(b) for b in self.stash_bytes)
+        if stash and len(stash) != len(stages):
+            raise ValueError("stash_bytes needs one entry per stage (or none)")
+        object.__setattr__(self, "stash_bytes", stash)
         object.__setattr__(self, "segment_overhead_seconds", float(self.segment_overhead_seconds))
         object.__setattr__(self, "offset_bytes", int(self.offset_bytes))
 
@@ -147,9 +158,15 @@ class ReplayChain:
         """Node ranges of stage ranges."""
         return [(self.stages[start][0], self.stages[end - 1][1]) for start, end in segments]
 
-    def preserve_rng(self, segments: Iterable[tuple[int, int]]) -> list[bool]:
+    def preserve_rng(self, segments: Iterable[tuple[int, int]]) -> list[bool] | list[int]:
         """Per stage range, does it hold a random op."""
-        return [any(self.random[start:end]) for start, end in segments]
+        if not any(self.stash_bytes):
+            return [any(self.random[start:end]) for start, end in segments]
+        rng = self.trace.rng_state_bytes
+        return [
+            rng * any(self.random[start:end]) + sum(self.stash_bytes[start:end])
+            for start, end in segments
+        ]
 
 
 def count_plans(num_stages: int) -> int:
@@ -319,6 +336,13 @@ class _Ladder:
         return sorted({self.floor + span * k // 16 for k in _DP_RUNGS})
 
 
+@functools.lru_cache(maxsize=8)
+def _ladder(problem: ChainProblem) -> _Ladder:
+    """One ladder per proxy (a planner searches many budgets of the same chain; dp is
+    deterministic, so sharing its plans changes no answer)."""
+    return _Ladder(problem)
+
+
 def _seed_plans(
     search: _Search, given: Iterable[Sequence[tuple[int, int]]], budget: int | None
 ) -> list[Plan]:
@@ -327,7 +351,7 @@ def _seed_plans(
     plans = set(_normalized(given, n)) | set(_structural_seeds(n))
     problem = search.chain.problem
     if problem is not None:
-        ladder = _Ladder(problem)
+        ladder = _ladder(problem)
         rungs = ladder.rungs()
         plans.update(ladder.plan(b) for b in rungs)
         if budget is not None:
@@ -395,13 +419,59 @@ def _neighbours(plan: Plan, num_stages: int) -> list[Plan]:
     return sorted(out)
 
 
+@functools.lru_cache(maxsize=32)
+def _sub_plans(length: int) -> tuple[Plan, ...]:
+    """Every plan of a chain of ``length`` stages."""
+    if length == 0:
+        return ((),)
+    out = [tuple((s + 1, e + 1) for s, e in rest) for rest in _sub_plans(length - 1)]
+    for end in range(1, length + 1):
+        out += [
+            ((0, end), *((s + end, e + end) for s, e in rest)) for rest in _sub_plans(length - end)
+        ]
+    return tuple(out)
+
+
+def _windows(plan: Plan, num_stages: int) -> list[list[Plan]]:
+    """Per window of :data:`_WINDOW` stages (half-overlapping; widened to whole segments),
+    every plan equal to ``plan`` outside it."""
+    out = []
+    for low in range(0, max(1, num_stages - _WINDOW // 2), max(1, _WINDOW // 2)):
+        high = min(num_stages, low + _WINDOW)
+        for start, end in plan:  # a segment across an edge joins the window
+            if start < low < end:
+                low = start
+            if start < high < end:
+                high = end
+        if high - low > _WINDOW + 2:
+            continue  # widened too far by long segments: too many plans
+        before = tuple(seg for seg in plan if seg[1] <= low)
+        after = tuple(seg for seg in plan if seg[0] >= high)
+        out.append(
+            [
+                (*before, *((s + low, e + low) for s, e in inner), *after)
+                for inner in _sub_plans(high - low)
+            ]
+        )
+    return out
+
+
 def _improve_cost(search: _Search, plan: Plan, budget: int) -> Plan:
-    """Cheaper plans that fit, from ``plan`` (which fits): single moves cheapest first,
-    then pairs of moves. Stops at a local optimum or when the budget is spent."""
+    """Cheaper plans that fit, from ``plan`` (which fits). In order, until one is found:
+    single moves, cheapest first; pairs of moves, cheapest first; every re-planning of one
+    window of stages, cheapest first. Repeats from the new plan; stops at a local optimum
+    or when the budget is spent."""
     n = search.num_stages
     try:
         while True:
             current = search.cost(plan)
+
+            def first_fit(plans: Iterable[Plan], current: float = current) -> Plan | None:
+                ranked = sorted(
+                    (search.cost(p), len(p), p) for p in set(plans) if search.cost(p) < current
+                )
+                return next((p for _, _, p in ranked if search.peak(p) <= budget), None)
+
             cheaper = sorted(
                 (search.cost(nb), len(nb), nb)
                 for nb in _neighbours(plan, n)
@@ -413,7 +483,11 @@ def _improve_cost(search: _Search, plan: Plan, budget: int) -> Plan:
                 for _, _, first in cheaper[:_PAIR_FIRST_MOVES]:
                     pairs.update(nb for nb in _neighbours(first, n) if search.cost(nb) < current)
                 ranked = sorted((search.cost(p), len(p), p) for p in pairs)[:_PAIR_CAP]
-                found = next((p for _, _, p in ranked if search.peak(p) <= budget), None)
+                found = first_fit(p for _, _, p in ranked)
+            for window in [] if found is not None else _windows(plan, n):
+                found = first_fit(window)
+                if found is not None:
+                    break
             if found is None:
                 return plan
             plan = found
@@ -422,17 +496,23 @@ def _improve_cost(search: _Search, plan: Plan, budget: int) -> Plan:
 
 
 def _descend(search: _Search, plan: Plan, key: Callable[[Plan], Key]) -> Plan:
-    """Steepest descent on ``key`` over all neighbours."""
+    """First-improvement descent on ``key``: the neighbours (sorted) are scanned circularly
+    from where the last improvement was found, and the first better one is taken; it stops
+    when a whole scan finds none. Improvements that repeat along the chain (one more stage
+    of the same kind) then cost a few replays each instead of a full scan."""
     n = search.num_stages
     best = key(plan)
+    at = 0
     try:
         while True:
-            improved = False
-            for nb in _neighbours(plan, n):
-                k = key(nb)
+            around = _neighbours(plan, n)
+            at = min(at, len(around))
+            for i in [*range(at, len(around)), *range(at)]:
+                k = key(around[i])
                 if k < best:
-                    best, improved = k, True
-            if not improved:
+                    best, at = k, i
+                    break
+            else:
                 return plan
             plan = best[3]
     except _Budget:

@@ -126,7 +126,7 @@ def test_meta_device_planning_matches_real_planning():
     assert meta.trace.source == "storages" and meta.profile.times_estimated
     assert meta.chain.stages == real.chain.stages
     assert meta.chain.problem.saved_bytes == real.chain.problem.saved_bytes
-    leanest = real._leanest_solution().segments
+    leanest = real.search.leanest().segments
     for segments in ([], leanest):
         assert abs(meta.predict(segments) - real.predict(segments)) <= TOLERANCE * real.predict(
             segments

@@ -1,0 +1,844 @@
+"""The replay search (``solvers.search``) and the fast replay under it.
+
+* The fast replay (``solvers.replay.Replayer``) against a verbatim copy of the replay's
+  original, slow implementation, kept here only: every number of ``simulate`` and
+  ``timeline`` equal, on recorded steps of real models and on random synthetic steps.
+* The replay's prefix lower bound never exceeds the peak of any completion.
+* ``least_recompute`` and ``leanest`` against brute force over every plan of small chains,
+  on real recorded steps and on synthetic ones, also with the local search switched off
+  (the branch and bound alone must prove the optimum).
+* The local search is never worse than its seeds; answers are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Sequence
+from functools import cache
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import solvers
+from solvers import InfeasibleError
+from solvers.replay import (
+    BACKWARD,
+    FORWARD,
+    LOSS,
+    PROLOGUE,
+    MemoryTrace,
+    PlanSimulation,
+    Replayer,
+    Window,
+    replayer,
+    simulate,
+    timeline,
+)
+from solvers.search import (
+    EXHAUSTIVE_STAGES,
+    ReplayChain,
+    count_plans,
+    leanest,
+    least_recompute,
+    recompute_seconds,
+    replay_peak,
+)
+
+# ---------------------------------------------------------------------------------------------
+# The reference: the replay as first written (one Python tuple per point, one sort per plan)
+# ---------------------------------------------------------------------------------------------
+
+Position = tuple[int, float]
+
+
+def reference_simulate(
+    trace: MemoryTrace,
+    segments: Sequence[tuple[int, int]],
+    preserve_rng: Sequence[bool] | None = None,
+) -> PlanSimulation:
+    replay = _ReferenceReplay(trace, segments)
+    points = replay.points(preserve_rng)
+    current = peak = 0
+    forward_peak = backward_peak = 0
+    peak_slot = 0
+    for (slot, _), delta, _ in points:
+        current += delta
+        phase = replay.slot_phase[slot][0]
+        if phase in (PROLOGUE, FORWARD, LOSS):
+            forward_peak = max(forward_peak, current)
+        else:
+            backward_peak = max(backward_peak, current)
+        if current > peak:
+            peak, peak_slot = current, slot
+    phase, node = replay.slot_phase.get(peak_slot, (FORWARD, 0))
+    static = trace.static_bytes
+    return PlanSimulation(
+        peak_bytes=static + peak,
+        peak_phase=phase,
+        peak_node=node,
+        forward_peak_bytes=static + forward_peak,
+        backward_peak_bytes=static + backward_peak,
+    )
+
+
+def reference_timeline(
+    trace: MemoryTrace,
+    segments: Sequence[tuple[int, int]],
+    preserve_rng: Sequence[bool] | None = None,
+) -> list[tuple[str, int, int]]:
+    replay = _ReferenceReplay(trace, segments)
+    peaks: dict[int, int] = {}
+    ends: dict[int, int] = {}
+    current = 0
+    for (slot, _), delta, _ in replay.points(preserve_rng):
+        peaks.setdefault(slot, current)
+        current += delta
+        peaks[slot] = max(peaks[slot], current)
+        ends[slot] = current
+    curve: list[tuple[str, int, int]] = []
+    live = 0
+    for slot in sorted(replay.slot_phase):
+        phase, node = replay.slot_phase[slot]
+        curve.append((phase, node, trace.static_bytes + peaks.get(slot, live)))
+        live = ends.get(slot, live)
+    return curve
+
+
+class _ReferenceReplay:
+    """The plan's timeline for one trace and one set of segments (see the module docstring
+    for the rules); :meth:`points` lists every allocation and free as a timeline point."""
+
+    def __init__(self, trace: MemoryTrace, segments: Sequence[tuple[int, int]]) -> None:
+        n = trace.num_nodes
+        self.trace = trace
+        self.segments = [(int(first), int(stop)) for first, stop in segments]
+        self.segment_of = [-1] * n
+        for k, (first, stop) in enumerate(self.segments):
+            if not 0 <= first < stop <= n:
+                raise ValueError(f"segment [{first}, {stop}) is outside the {n} compute nodes")
+            for i in range(first, stop):
+                if self.segment_of[i] != -1:
+                    raise ValueError(f"segments overlap at node {i}")
+                self.segment_of[i] = k
+        windows = self.windows = trace.windows
+        # Each allocation's allocation and free event (eager order).
+        self.alloc_event: dict[int, int] = {}
+        self.free_event: dict[int, int] = {}
+        for e, (a, _) in enumerate(trace.events):
+            if a in self.alloc_event:
+                self.free_event[a] = e
+            else:
+                self.alloc_event[a] = e
+        self.window_of_event = [w for _, w in trace.events]
+        self.last_event_of_window: dict[int, int] = {}
+        for e, w in enumerate(self.window_of_event):
+            self.last_event_of_window[w] = e
+        # Forward window and backward windows (in time order) of every node.
+        self.backward_windows: dict[int, list[int]] = {}
+        self.forward_window: dict[int, int] = {}
+        for w, win in enumerate(windows):
+            if win.phase == BACKWARD and win.node >= 0:
+                self.backward_windows.setdefault(win.node, []).append(w)
+            elif win.phase == FORWARD:
+                self.forward_window[win.node] = w
+        first_backward: dict[int, int] = {}
+        self.last_backward_of_segment: dict[int, int] = {}
+        for node, ws in self.backward_windows.items():
+            k = self.segment_of[node]
+            if k >= 0:
+                first_backward[k] = min(first_backward.get(k, ws[0]), ws[0])
+                last = self.last_backward_of_segment.get(k, ws[-1])
+                self.last_backward_of_segment[k] = max(last, ws[-1])
+        # Slots: eager windows in order, each segment's recompute right before the first
+        # backward window of any of its nodes (where its first saved tensor is unpacked).
+        recompute_before = {w: k for k, w in first_backward.items()}
+        self.slot_of_window = [0] * len(windows)
+        self.recompute_slot: dict[int, int] = {}
+        self.slot_phase: dict[int, tuple[str, int]] = {}
+        slot = 0
+        for w, win in enumerate(windows):
+            if w in recompute_before:
+                k = recompute_before[w]
+                self.recompute_slot[k] = slot
+                self.slot_phase[slot] = ("recompute", self.segments[k][0])
+                slot += 1
+            self.slot_of_window[w] = slot
+            self.slot_phase[slot] = (win.phase, win.node)
+            slot += 1
+        self.savers: dict[int, list[int]] = {}
+        for i, allocations in enumerate(trace.saved):
+            for a in allocations:
+                self.savers.setdefault(a, []).append(i)
+        self.readers: dict[int, list[int]] = {}
+        for i, allocations in enumerate(trace.reads):
+            for a in allocations:
+                self.readers.setdefault(a, []).append(i)
+        self.graph_outputs = set(trace.output_allocations)
+        # Early stop: a recompute ends at the segment's last save for backward (the
+        # checkpoint stops once every saved tensor is back); what the rest of the segment
+        # would allocate never is, and the recompute's temporaries die there.
+        self.recompute_stop: dict[int, int] = {}
+        for k, (first, stop) in enumerate(self.segments):
+            packs = [trace.last_pack[i] for i in range(first, stop) if i < len(trace.last_pack)]
+            if packs and max(packs) >= 0:
+                self.recompute_stop[k] = max(packs)
+
+    # -- positions ------------------------------------------------------------------------
+
+    def at(self, e: int) -> Position:
+        """Where eager event ``e`` happens."""
+        return (self.slot_of_window[self.window_of_event[e]], e)
+
+    def end_of(self, w: int) -> Position:
+        """Right after the last event of eager window ``w``."""
+        return (self.slot_of_window[w], self.last_event_of_window.get(w, -1) + 0.5)
+
+    def window_of(self, e: int | None) -> Window | None:
+        return self.windows[self.window_of_event[e]] if e is not None else None
+
+    # -- the rules --------------------------------------------------------------------------
+
+    def points(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
+        """Every allocation (+bytes) and free (-bytes) of the plan's step, sorted by position.
+        The third field tags the allocation (its id; ``~id`` for a recomputed copy; other
+        negative numbers for RNG stashes) for diagnostics."""
+        points: list[tuple[Position, int, int]] = []
+        checkpointed = bool(self.segments)
+        for a, e in self.alloc_event.items():
+            size = self.trace.sizes[a]
+            points.append((self.at(e), size, a))
+            f = self.free_event.get(a)
+            made_in = self.window_of(e)
+            free = self.at(f) if f is not None else None
+            if checkpointed and made_in is not None and made_in.phase == FORWARD:
+                freed_in = self.window_of(f)
+                if freed_in is not None and freed_in.phase != BACKWARD:
+                    held = self.segment_input_hold(a, made_in.node)
+                    free = max(free, held) if held is not None and free is not None else free
+                else:
+                    free = self.kept_for_backward_free(a, made_in.node, f)
+                k = self.segment_of[made_in.node]
+                if k >= 0 and k in self.recompute_slot:
+                    points.extend(self.recomputed(a, e, f, made_in.node, k))
+            if free is not None:
+                points.append((free, -size, a))
+        points.extend(self.rng_stashes(preserve_rng))
+        points.sort(key=lambda point: point[0])
+        return points
+
+    def kept_for_backward_free(self, a: int, producer: int, f: int | None) -> Position | None:
+        """When a forward allocation that eager kept for backward is freed under the plan:
+        the latest of its last forward use, the backward of each *kept* node that saves it,
+        and the end of the backward of each segment it enters."""
+        eager_free = self.at(f) if f is not None else None
+        saving = self.savers.get(a, [])
+        if a in self.graph_outputs or not saving:
+            return eager_free  # held by something the graph does not name (the loss, the caller)
+        reasons: list[Position] = []
+        freed_in = self.window_of(f)
+        for j in saving:
+            if self.segment_of[j] >= 0:
+                continue  # a checkpointed saver keeps nothing; its recompute makes its own copy
+            if freed_in is not None and freed_in.phase == BACKWARD and freed_in.node == j:
+                reasons.append(eager_free)  # the very backward that freed it in eager
+            elif j in self.backward_windows:
+                reasons.append(self.end_of(self.backward_windows[j][-1]))
+        held = self.segment_input_hold(a, producer)
+        if held is not None:
+            reasons.append(held)
+        last_reader = max([producer, *(j for j in self.readers.get(a, []) if j >= producer)])
+        reasons.append(self.end_of(self.forward_window[last_reader]))
+        return max(reasons)
+
+    def segment_input_hold(self, a: int, producer: int) -> Position | None:
+        """A checkpoint keeps its segment's inputs for the recompute: an allocation made
+        outside a segment and read inside it lives until that segment's backward is over."""
+        segment_of = self.segment_of
+        entered = {
+            segment_of[j]
+            for j in self.readers.get(a, []) + self.savers.get(a, [])
+            if segment_of[j] >= 0 and segment_of[j] != segment_of[producer]
+        }
+        ends = [
+            self.end_of(self.last_backward_of_segment[k])
+            for k in entered
+            if k in self.last_backward_of_segment
+        ]
+        return max(ends) if ends else None
+
+    def recomputed(
+        self, a: int, e: int, f: int | None, producer: int, k: int
+    ) -> list[tuple[Position, int, int]]:
+        """The recompute's copy of forward allocation ``a`` (made by a node of segment ``k``):
+        made at the same point of the recompute slot; freed where eager freed the original
+        when a node of the segment saves it, else after its last use inside the recompute."""
+        first, stop = self.segments[k]
+        slot = self.recompute_slot[k]
+        size = self.trace.sizes[a]
+        end = self.recompute_stop.get(k)
+        if end is not None and e >= end:
+            return []  # after the segment's last save: the recompute stopped before it
+        freed_in = self.window_of(f)
+        inside_savers = [j for j in self.savers.get(a, []) if first <= j < stop]
+        if inside_savers:
+            if (
+                freed_in is not None
+                and freed_in.phase == BACKWARD
+                and freed_in.node in inside_savers
+            ):
+                free = self.at(f)
+            else:
+                ends = [
+                    self.end_of(self.backward_windows[j][-1])
+                    for j in inside_savers
+                    if j in self.backward_windows
+                ]
+                free = max(ends) if ends else (slot, e + 0.5)
+        elif freed_in is not None and freed_in.phase == FORWARD and first <= freed_in.node < stop:
+            free = (slot, f)
+        else:
+            inside_readers = [j for j in self.readers.get(a, []) if producer <= j < stop]
+            last = self.forward_window[max([producer, *inside_readers])]
+            free = (slot, self.last_event_of_window.get(last, e) + 0.5)
+        if end is not None and free[0] == slot and free[1] > end - 0.5:
+            free = (slot, end - 0.5)  # a temporary the stopped recompute drops
+        return [((slot, e), size, ~a), (free, -size, ~a)]
+
+    def rng_stashes(self, preserve_rng: Sequence[bool] | None) -> list[tuple[Position, int, int]]:
+        """RNG states a random segment's checkpoint keeps: one from its forward to the end of
+        its backward, one while it recomputes."""
+        out: list[tuple[Position, int, int]] = []
+        size = self.trace.rng_state_bytes
+        if not preserve_rng or not size:
+            return out
+        for k, (first, _) in enumerate(self.segments):
+            if not preserve_rng[k]:
+                continue
+            tag = -(1 << 40) - k
+            out.append(((self.slot_of_window[self.forward_window[first]], -1.0), size, tag))
+            if k in self.last_backward_of_segment:
+                out.append((self.end_of(self.last_backward_of_segment[k]), -size, tag))
+            if k in self.recompute_slot:
+                slot = self.recompute_slot[k]
+                out.append(((slot, -1.0), size, tag))
+                out.append(((slot, float("inf")), -size, tag))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps to replay: recorded from zoo models, and synthetic
+# ---------------------------------------------------------------------------------------------
+
+
+@cache
+def recorded(name: str, max_stages: int) -> ReplayChain:
+    """One recorded step of a zoo model as a chain (the same pipeline as the planner's)."""
+    import warnings
+
+    from autockpt.problem import build_chain
+    from autockpt.profile import profile
+    from autockpt.record import record_trace
+    from autockpt.trace import Inputs, capture
+    from autockpt.zoo import ZOO
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, example = ZOO[name]()
+        inputs = Inputs.of(example)
+        cap = capture(model, inputs)
+        prof = profile(model, cap, inputs)
+        chain = build_chain(cap, prof, max_stages=max_stages)
+        nodes = prof.nodes
+        trace = record_trace(
+            model,
+            cap,
+            inputs,
+            forward_workspace={i: node.forward_workspace for i, node in enumerate(nodes)},
+            backward_workspace={i: node.backward_workspace for i, node in enumerate(nodes)},
+            loss_workspace=prof.loss_workspace,
+            hidden_saved={i: node.hidden_saved for i, node in enumerate(nodes)},
+        )
+    stages = tuple((first, stop) for first, stop in chain.stages)
+    return ReplayChain(
+        trace=trace,
+        stages=stages,
+        stage_seconds=chain.problem.forward_seconds,
+        random=tuple(any(nodes[i].random for i in range(a, b)) for a, b in stages),
+        segment_overhead_seconds=1e-5,
+        offset_bytes=4096,
+        problem=chain.problem,
+    )
+
+
+REAL = [("gpt", 10), ("resnet", 8)]
+
+
+@st.composite
+def synthetic_traces(draw: st.DrawFn, min_nodes: int = 1, max_nodes: int = 6) -> MemoryTrace:
+    """A step with every structure the rules distinguish: allocations made and freed in
+    any window (or never freed), windows without events, nodes with no, one or two
+    backward windows, backward windows of the loss, shared saves, graph outputs, early
+    stops, RNG state."""
+    n = draw(st.integers(min_nodes, max_nodes))
+    windows = [Window(PROLOGUE, -1)] if draw(st.booleans()) else []
+    windows += [Window(FORWARD, i) for i in range(n)]
+    windows.append(Window(LOSS, -1))
+    for i in reversed(range(n)):
+        windows += [Window(BACKWARD, i)] * draw(st.integers(0, 2))
+        if draw(st.integers(0, 3)) == 0:
+            windows.append(Window(BACKWARD, -1))
+    count = len(windows)
+    allocations = draw(st.integers(0, 4 * n))
+    keyed = []
+    for a in range(allocations):
+        made = draw(st.integers(0, count - 1))
+        order = draw(st.integers(0, 1000))
+        keyed.append(((made, order, 0), a, made))
+        if draw(st.integers(0, 5)):
+            freed = draw(st.integers(made, count - 1))
+            later = draw(st.integers(order + 1 if freed == made else 0, 1001))
+            keyed.append(((freed, later, 1), a, freed))
+    events = tuple((a, w) for _, a, w in sorted(keyed))
+    ids = st.integers(0, max(allocations - 1, 0))
+
+    def subsets() -> tuple[int, ...]:
+        if not allocations:
+            return ()
+        return tuple(sorted(set(draw(st.lists(ids, max_size=4)))))
+
+    packs = draw(
+        st.one_of(st.just(()), st.lists(st.integers(-1, len(events)), min_size=n, max_size=n))
+    )
+    return MemoryTrace(
+        num_nodes=n,
+        windows=tuple(windows),
+        events=events,
+        sizes=tuple(draw(st.integers(0, 100)) for _ in range(allocations)),
+        reads=tuple(subsets() for _ in range(n)),
+        outputs=tuple(subsets() for _ in range(n)),
+        saved=tuple(subsets() for _ in range(n)),
+        output_allocations=subsets(),
+        static_bytes=draw(st.integers(0, 50)),
+        source="storages",
+        rng_state_bytes=draw(st.sampled_from([0, 7])),
+        last_pack=tuple(packs),
+    )
+
+
+@st.composite
+def chain_like_traces(draw: st.DrawFn, min_nodes: int = 4, max_nodes: int = 8) -> MemoryTrace:
+    """A step shaped like a recorded one: each node reads the previous output (sometimes
+    also the one before), makes an output and a temporary and saves some of them until its
+    backward; backward makes and drops gradients in reverse order. Sizes are random, so
+    where to checkpoint matters and plans differ."""
+    n = draw(st.integers(min_nodes, max_nodes))
+    skip = [False, False, *(draw(st.booleans()) for _ in range(2, n))]
+    byte = st.integers(1, 64)
+    sizes: list[int] = []
+    events: list[tuple[int, int]] = []
+    windows: list[Window] = []
+    reads: list[tuple[int, ...]] = []
+    saved: list[tuple[int, ...]] = []
+    packs: list[int] = []
+    outputs: list[int] = []
+    last_saver: dict[int, int] = {}
+
+    def new(size: int, window: int) -> int:
+        sizes.append(size)
+        events.append((len(sizes) - 1, window))
+        return len(sizes) - 1
+
+    for i in range(n):
+        windows.append(Window(FORWARD, i))
+        w = len(windows) - 1
+        inputs = outputs[-1:] + (outputs[-2:-1] if skip[i] else [])
+        out, temp = new(draw(byte), w), new(draw(byte), w)
+        keep = draw(st.sets(st.sampled_from([*inputs, out, temp])))
+        for a in keep:
+            last_saver[a] = i
+        packs.append(len(events) if keep else -1)
+        if temp not in keep:
+            events.append((temp, w))
+        reads.append(tuple(sorted(inputs)))
+        saved.append(tuple(sorted(keep)))
+        outputs.append(out)
+        for j in (i - 1, i - 2):  # outputs whose last reader this node is
+            last = j + 2 if j + 2 < n and skip[j + 2] else j + 1
+            if j >= 0 and last == i and outputs[j] not in last_saver:
+                events.append((outputs[j], w))
+    windows.append(Window(LOSS, -1))
+    loss = new(8, len(windows) - 1)
+    grad = new(draw(byte), len(windows) - 1)
+    for i in reversed(range(n)):
+        windows.append(Window(BACKWARD, i))
+        w = len(windows) - 1
+        following = new(draw(byte), w)
+        events.append((grad, w))
+        grad = following
+        events += [(a, w) for a, saver in last_saver.items() if saver == i]
+    w = len(windows) - 1
+    events += [(grad, w), (loss, w)]
+    if outputs[-1] not in last_saver:
+        events.append((outputs[-1], w))
+    return MemoryTrace(
+        num_nodes=n,
+        windows=tuple(windows),
+        events=tuple(events),
+        sizes=tuple(sizes),
+        reads=tuple(reads),
+        outputs=tuple((o,) for o in outputs),
+        saved=tuple(saved),
+        output_allocations=(outputs[-1],),
+        static_bytes=draw(st.integers(0, 50)),
+        source="storages",
+        rng_state_bytes=draw(st.sampled_from([0, 7])),
+        last_pack=tuple(packs) if draw(st.booleans()) else (),
+    )
+
+
+@st.composite
+def node_segments(draw: st.DrawFn, num_nodes: int) -> list[tuple[int, int]]:
+    """Disjoint node ranges in any order."""
+    cuts = sorted(set(draw(st.lists(st.integers(0, num_nodes), max_size=8))))
+    ranges = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2)]
+    return draw(st.permutations(ranges)) if ranges else []
+
+
+def synthetic_chain(trace: MemoryTrace, data: st.DataObject) -> ReplayChain:
+    """``trace`` cut into stages (several nodes per stage sometimes)."""
+    n = trace.num_nodes
+    stages = data.draw(st.integers(min(3, n), n))
+    inner = st.sampled_from(list(range(1, n))) if n > 1 else st.nothing()
+    cuts = sorted(data.draw(st.sets(inner, min_size=stages - 1, max_size=stages - 1)))
+    bounds = [0, *cuts, n]
+    stages = tuple(zip(bounds, bounds[1:], strict=False))
+    return ReplayChain(
+        trace=trace,
+        stages=stages,
+        stage_seconds=tuple(data.draw(st.sampled_from([0.0, 1.0, 2.0, 3.5])) for _ in stages),
+        random=tuple(data.draw(st.booleans()) for _ in stages),
+        segment_overhead_seconds=data.draw(st.sampled_from([0.0, 0.25])),
+        offset_bytes=data.draw(st.integers(0, 9)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast replay is the replay
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_same_replay(
+    trace: MemoryTrace, segments: list[tuple[int, int]], rng: list[bool] | None
+) -> None:
+    expected = reference_simulate(trace, segments, rng)
+    assert simulate(trace, segments, rng) == expected
+    assert timeline(trace, segments, rng) == reference_timeline(trace, segments, rng)
+    assert replayer(trace).peak_bytes(segments, rng) == expected.peak_bytes
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fast_replay_is_the_reference_on_recorded_steps(data: st.DataObject) -> None:
+    chain = recorded(*data.draw(st.sampled_from(REAL)))
+    trace = chain.trace
+    segments = data.draw(node_segments(trace.num_nodes))
+    rng = data.draw(
+        st.one_of(
+            st.none(), st.lists(st.booleans(), min_size=len(segments), max_size=len(segments))
+        )
+    )
+    assert_same_replay(trace, segments, rng)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.one_of(chain_like_traces(), synthetic_traces()), data=st.data())
+def test_fast_replay_is_the_reference_on_synthetic_steps(
+    trace: MemoryTrace, data: st.DataObject
+) -> None:
+    segments = data.draw(node_segments(trace.num_nodes))
+    rng = data.draw(
+        st.one_of(
+            st.none(), st.lists(st.booleans(), min_size=len(segments), max_size=len(segments))
+        )
+    )
+    assert_same_replay(trace, segments, rng)
+
+
+def test_stage_plans_replay_like_the_reference() -> None:
+    """Every plan the search can propose on a real chain, for a sample of plans."""
+    chain = recorded("gpt", 10)
+    plans = list(all_plans(chain.num_stages))
+    for plan in random.Random(0).sample(plans, 40) + [[], [(0, chain.num_stages)]]:
+        ranges, rng = chain.node_ranges(plan), chain.preserve_rng(plan)
+        expected = reference_simulate(chain.trace, ranges, rng).peak_bytes
+        assert replay_peak(chain, plan) == expected + chain.offset_bytes
+
+
+def test_bad_segments_raise_like_the_reference() -> None:
+    trace = recorded("gpt", 10).trace
+    n = trace.num_nodes
+    for segments in ([(0, n + 1)], [(3, 3)], [(0, 4), (2, 6)], [(5, 9), (0, 2), (1, 3)]):
+        with pytest.raises(ValueError) as expected:
+            reference_simulate(trace, segments)
+        with pytest.raises(ValueError) as got:
+            simulate(trace, segments)
+        assert str(got.value) == str(expected.value)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.one_of(chain_like_traces(), synthetic_traces()), data=st.data())
+def test_prefix_bound_never_exceeds_a_completion(trace: MemoryTrace, data: st.DataObject) -> None:
+    """The branch and bound's pruning rule: for a plan with a segment, cut anywhere no
+    segment straddles, the bound from the part before the cut is at most its peak."""
+    _check_prefix_bound(trace, data)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_prefix_bound_never_exceeds_a_completion_on_recorded_steps(data: st.DataObject) -> None:
+    _check_prefix_bound(recorded(*data.draw(st.sampled_from(REAL))).trace, data)
+
+
+def _check_prefix_bound(trace: MemoryTrace, data: st.DataObject) -> None:
+    segments = sorted(data.draw(node_segments(trace.num_nodes)))
+    if not segments:
+        return
+    rng = [data.draw(st.booleans()) for _ in segments]
+    peak = reference_simulate(trace, segments, rng).peak_bytes
+    cuts = [c for c in range(trace.num_nodes + 1) if not any(a < c < b for a, b in segments)]
+    replay = replayer(trace)
+    for cut in cuts:
+        before = [k for k, (_, stop) in enumerate(segments) if stop <= cut]
+        bound = replay.lower_bound_bytes(
+            [segments[k] for k in before], cut, [rng[k] for k in before]
+        )
+        assert bound <= peak, (cut, bound, peak)
+    assert replay.lower_bound_bytes(segments, trace.num_nodes, rng) == peak
+
+
+# ---------------------------------------------------------------------------------------------
+# The search against brute force
+# ---------------------------------------------------------------------------------------------
+
+
+def all_plans(num_stages: int, start: int = 0) -> Iterator[list[tuple[int, int]]]:
+    """Every plan: each stage kept, or in one segment of any length."""
+    if start == num_stages:
+        yield []
+        return
+    yield from all_plans(num_stages, start + 1)
+    for end in range(start + 1, num_stages + 1):
+        for rest in all_plans(num_stages, end):
+            yield [(start, end), *rest]
+
+
+@cache
+def exhaustive(chain: ReplayChain) -> list[tuple[int, float, tuple[tuple[int, int], ...]]]:
+    """(peak, recompute, plan) of every plan."""
+    return [
+        (replay_peak(chain, plan), recompute_seconds(chain, plan), tuple(plan))
+        for plan in all_plans(chain.num_stages)
+    ]
+
+
+def cheapest(rows, budget: int):
+    fitting = [(cost, peak, len(plan), plan) for peak, cost, plan in rows if peak <= budget]
+    return min(fitting) if fitting else None
+
+
+def lowest(rows):
+    return min((peak, cost, len(plan), plan) for peak, cost, plan in rows)
+
+
+def budgets_between(low: int, high: int) -> list[int]:
+    return sorted({low, *(low + (high - low) * k // 8 for k in (1, 4, 6)), high})
+
+
+@pytest.mark.parametrize("name,max_stages", REAL)
+def test_search_is_exact_on_recorded_steps(name: str, max_stages: int) -> None:
+    chain = recorded(name, max_stages)
+    assert chain.num_stages <= EXHAUSTIVE_STAGES
+    rows = exhaustive(chain)
+    assert len(rows) == count_plans(chain.num_stages)
+    minimum = lowest(rows)
+    lean = leanest(chain)
+    assert (lean.peak_bytes, lean.recompute_seconds, tuple(lean.segments)) == (
+        minimum[0],
+        minimum[1],
+        minimum[3],
+    )
+    assert lean.status == "optimal" and lean.method == "replay-exact" and lean.gap == 0.0
+    eager = replay_peak(chain, [])
+    assert minimum[0] < eager  # checkpointing matters on these chains
+    for budget in budgets_between(minimum[0], eager):
+        best = cheapest(rows, budget)
+        got = least_recompute(chain, budget)
+        assert (got.recompute_seconds, got.peak_bytes, tuple(got.segments)) == (
+            best[0],
+            best[1],
+            best[3],
+        ), budget
+        assert got.status == "optimal" and got.peak_bytes <= budget
+    with pytest.raises(InfeasibleError):
+        least_recompute(chain, minimum[0] - 1)
+
+
+def test_branch_and_bound_alone_is_exact() -> None:
+    """No local search: the incumbent comes from the seeds only (or nothing), so the
+    pruning does the work; the answers are still the brute-force ones."""
+    for name, max_stages in REAL:
+        chain = recorded(name, max_stages)
+        rows = exhaustive(chain)
+        minimum = lowest(rows)
+        eager = replay_peak(chain, [])
+        budgets = budgets_between(minimum[0], eager)[1:4]
+        if name == "resnet":
+            lean = leanest(chain, max_evaluations=0)
+            assert tuple(lean.segments) == minimum[3]
+        else:
+            budgets = budgets[1:2]  # the slowest to prove; one is enough
+        for budget in budgets:
+            got = least_recompute(chain, budget, max_evaluations=0)
+            assert tuple(got.segments) == cheapest(rows, budget)[3]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.one_of(chain_like_traces(), synthetic_traces(3, 7)), data=st.data())
+def test_search_is_exact_on_synthetic_steps(trace: MemoryTrace, data: st.DataObject) -> None:
+    chain = synthetic_chain(trace, data)
+    rows = [
+        (
+            reference_simulate(trace, chain.node_ranges(p), chain.preserve_rng(p)).peak_bytes
+            + chain.offset_bytes,
+            recompute_seconds(chain, p),
+            tuple(p),
+        )
+        for p in all_plans(chain.num_stages)
+    ]
+    minimum = lowest(rows)
+    lean = leanest(chain)
+    assert (lean.peak_bytes, tuple(lean.segments)) == (minimum[0], minimum[3])
+    assert lean.status == "optimal"
+    budget = data.draw(st.integers(minimum[0] - 2, max(peak for peak, _, _ in rows) + 2))
+    best = cheapest(rows, budget)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            least_recompute(chain, budget, max_evaluations=data.draw(st.sampled_from([0, 50])))
+        return
+    got = least_recompute(chain, budget, max_evaluations=data.draw(st.sampled_from([0, 50])))
+    assert (got.recompute_seconds, got.peak_bytes, tuple(got.segments)) == (
+        best[0],
+        best[1],
+        best[3],
+    )
+    assert got.status == "optimal"
+
+
+# ---------------------------------------------------------------------------------------------
+# Large chains: the local search
+# ---------------------------------------------------------------------------------------------
+
+
+def _key_lean(chain: ReplayChain, plan) -> tuple:
+    plan = tuple(plan)
+    return (replay_peak(chain, plan), recompute_seconds(chain, plan), len(plan), plan)
+
+
+def test_never_worse_than_its_seeds_on_a_long_chain() -> None:
+    """160 stages (far beyond brute force): whatever the seeds, the answer is at least as
+    good as each seed that fits, and it is what the replay says."""
+    chain = recorded("gpt", 160)
+    n = chain.num_stages
+    rng = random.Random(1)
+    seeds = [
+        [(m, m + 1) for m in range(0, n, 2)],  # every other stage
+        [(s, min(s + 5, n)) for s in range(0, n, 7)],
+        sorted({(s, s + 1) for s in rng.sample(range(n), 30)}),
+    ]
+    lean = leanest(chain, seeds=seeds, max_evaluations=300, max_nodes=200)
+    assert lean.peak_bytes == replay_peak(chain, lean.segments)
+    assert lean.recompute_seconds == recompute_seconds(chain, lean.segments)
+    got = _key_lean(chain, lean.segments)
+    for seed in seeds:
+        assert got <= _key_lean(chain, seed)
+    assert lean.status in ("optimal", "feasible")
+    eager = replay_peak(chain, [])
+    budget = (lean.peak_bytes + eager) // 2
+    fitting = [s for s in seeds if replay_peak(chain, s) <= budget] + [lean.segments]
+    cheap = least_recompute(
+        chain, budget, seeds=seeds + [lean.segments], max_evaluations=300, max_nodes=200
+    )
+    assert cheap.peak_bytes == replay_peak(chain, cheap.segments) <= budget
+    for seed in fitting:
+        assert cheap.recompute_seconds <= recompute_seconds(chain, seed)
+
+
+def test_deterministic() -> None:
+    """Same inputs, same plan: twice, with the seeds in another order, on a new chain
+    object (a fresh replayer)."""
+    chain = recorded("gpt", 160)
+    n = chain.num_stages
+    seeds = [[(m, m + 1) for m in range(0, n, 3)], [(0, n // 2)], [(n // 2, n)]]
+    kwargs = dict(max_evaluations=150, max_nodes=100)
+    first = leanest(chain, seeds=seeds, **kwargs)
+    again = leanest(chain, seeds=list(reversed(seeds)), **kwargs)
+    copy = ReplayChain(
+        trace=MemoryTrace(**{f: getattr(chain.trace, f) for f in chain.trace.__dataclass_fields__}),
+        stages=chain.stages,
+        stage_seconds=chain.stage_seconds,
+        random=chain.random,
+        segment_overhead_seconds=chain.segment_overhead_seconds,
+        offset_bytes=chain.offset_bytes,
+        problem=chain.problem,
+    )
+    fresh = leanest(copy, seeds=[seeds[1], seeds[2], seeds[0]], **kwargs)
+    assert first.segments == again.segments == fresh.segments
+    budget = (first.peak_bytes + replay_peak(chain, [])) // 2
+    plans = {
+        tuple(least_recompute(c, budget, seeds=s, **kwargs).segments)
+        for c, s in ((chain, seeds), (chain, seeds[::-1]), (copy, seeds[1:] + seeds[:1]))
+    }
+    assert len(plans) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Contract details
+# ---------------------------------------------------------------------------------------------
+
+
+def test_chain_validation() -> None:
+    chain = recorded("gpt", 10)
+    with pytest.raises(ValueError, match="contiguous"):
+        ReplayChain(chain.trace, ((0, 3), (4, chain.trace.num_nodes)), (0.0, 0.0), (False,) * 2)
+    with pytest.raises(ValueError, match="cover"):
+        ReplayChain(chain.trace, ((0, 3),), (0.0,), (False,))
+    with pytest.raises(ValueError, match="one entry per stage"):
+        ReplayChain(chain.trace, chain.stages, chain.stage_seconds[:-1], chain.random)
+    with pytest.raises(ValueError, match="sorted and disjoint"):
+        replay_peak(chain, [(2, 4), (0, 1)])
+
+
+def test_count_plans_counts_the_plans() -> None:
+    assert [count_plans(n) for n in range(7)] == [sum(1 for _ in all_plans(n)) for n in range(7)]
+
+
+def test_solution_numbers_are_the_replays() -> None:
+    chain = recorded("resnet", 8)
+    lean = solvers.leanest(chain)
+    assert isinstance(lean, solvers.Solution)
+    assert lean.peak_bytes == solvers.replay_peak(chain, lean.segments)
+    assert (
+        lean.peak_bytes
+        == simulate(
+            chain.trace, chain.node_ranges(lean.segments), chain.preserve_rng(lean.segments)
+        ).peak_bytes
+        + chain.offset_bytes
+    )
+    assert math.isclose(
+        lean.recompute_seconds,
+        sum(chain.stage_seconds[m] for a, b in lean.segments for m in range(a, b))
+        + chain.segment_overhead_seconds * len(lean.segments),
+    )
+    assert isinstance(replayer(chain.trace), Replayer)
