@@ -223,24 +223,6 @@ def _forward_sequence_numbers(result: Any, known: set[int]) -> set[int]:
     return found
 
 
-def _forward_sequence_numbers(result: Any, known: set[int]) -> set[int]:
-    """Sequence numbers of the autograd nodes reachable from ``result`` and not yet known."""
-    found: set[int] = set()
-    stack = [t.grad_fn for t in tensors_in(result) if t.grad_fn is not None]
-    seen: set[int] = set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        seq = fn._sequence_nr()
-        if seq in known or type(fn).__name__ == "AccumulateGrad":
-            continue
-        found.add(seq)
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return found
-
-
 def _record(
     model: nn.Module,
     capture: Capture,

@@ -6,15 +6,18 @@ The budget is what the allocator reports (``max_memory_allocated`` on CUDA, the 
 allocator events on CPU). Between the tensors a graph names there are many the graph does not
 name: gradient buffers flowing between nodes, a gradient summed from two users, a kernel's
 workspace, the loss's own temporaries, parameter gradients that ``AccumulateGrad`` creates in
-backward order. A stage-level formula guesses them; this module *records* them once, in one
-eager step of the captured graph, and then reschedules exactly the allocations a plan moves:
+backward order. A stage-level formula guesses them; the recording stage
+(``autockpt/record.py``) captures them once, and this module reschedules exactly the
+allocations a plan moves:
 
-* **record** (:func:`record_trace`): run the graph node by node with every allocation and free
-  as an event (the PyTorch profiler's allocator events on real devices; a storage tracker on
-  the meta device, see below). Every event belongs to a *window*: the forward of node ``i``,
-  the loss, or the backward of node ``i`` (backward functions are mapped to the node that
-  created them through autograd sequence numbers). Per node the recorder also notes which
-  allocations it reads, returns and hands to autograd (``saved_tensors_hooks``).
+* **record** (``autockpt.record.record_trace``): the graph runs node by node on fake tensors
+  (exact sizes, aliasing and lifetimes, no data) under a storage tracker, and the kernel
+  workspaces and hidden saved bytes a probe measured on the device node by node are added to
+  each node's windows. Every event belongs to a *window*: the forward of node ``i``, the
+  loss, or the backward of node ``i`` (backward functions are mapped to the node that created
+  them through autograd sequence numbers). Per node the recorder also notes which
+  allocations it reads, returns and hands to autograd (``saved_tensors_hooks``), and where
+  its last save happens (the recompute's early stop).
 * **replay** (:func:`simulate`): under non-reentrant ``torch.utils.checkpoint`` semantics a
   plan changes three things, and only these are rescheduled:
 
@@ -33,15 +36,13 @@ eager step of the captured graph, and then reschedules exactly the allocations a
 
   The peak is the static part (parameters, buffers, inputs) plus the highest running sum.
 
-The replay is exact for what it moves and keeps everything else as measured, so its error is
-limited to effects it ignores: the checkpoint's own bookkeeping (a few hundred bytes per
-segment) and allocator behaviour that depends on the order of frees (caching on CUDA).
-docs/memory.md lists them. (The meta-device recorder below does not mark saves, so its
-replays recompute whole segments.)
-
-On the meta device there is no allocator; a dispatch mode sees every storage an operator
-returns and a weak-reference callback sees it die. Kernel workspaces are invisible there, so
-meta-device plans are memory-exact only for named tensors.
+The replay is exact for what it moves and keeps everything else as recorded, so its error is
+limited to effects it ignores: the checkpoint's own bookkeeping (a few bytes per segment)
+and allocator behaviour that depends on the order of frees (caching on CUDA). A segment's
+stashes (its RNG state, snapshots of the buffers it restores) are counted
+(``preserve_rng``). docs/memory.md lists the measured accuracy. On the meta device no
+probe runs: kernel workspaces are unknown, so meta-device plans are memory-exact only for
+the tensors operators return.
 
 Speed
 -----
@@ -388,7 +389,11 @@ class Replayer:
         self._reader_owner = np.asarray(reader_owner, _I64)
         self._reader_node = np.asarray(reader_node, _I64)
         self._reader_group = _group(self._reader_owner)
-        fw_last = np.where(fwd_window >= 0, last_event[np.maximum(fwd_window, 0)], -1)
+        fw_last = (
+            np.where(fwd_window >= 0, last_event[np.maximum(fwd_window, 0)], -1)
+            if nw
+            else np.full(len(fwd_window), -1, _I64)
+        )
         self._last_event_of_forward = fw_last if nw else fwd_window
         self._window_phase = [(win.phase, win.node) for win in windows]
         self._f_freed = np.flatnonzero(self._f_free >= 0)
@@ -740,7 +745,7 @@ def _stash_sizes(
     if len(preserve_rng) != count:
         raise ValueError(f"preserve_rng has {len(preserve_rng)} entries for {count} segments")
     sizes = [
-        (rng_state_bytes if value else 0) if isinstance(value, bool) else int(value)
+        (rng_state_bytes if value else 0) if isinstance(value, (bool, np.bool_)) else int(value)
         for value in preserve_rng
     ]
     return sizes if any(sizes) else None

@@ -587,6 +587,24 @@ def test_bad_segments_raise_like_the_reference() -> None:
         assert str(got.value) == str(expected.value)
 
 
+def test_a_step_without_windows_replays_like_the_reference() -> None:
+    trace = MemoryTrace(
+        num_nodes=2,
+        windows=(),
+        events=(),
+        sizes=(),
+        reads=((), ()),
+        outputs=((), ()),
+        saved=((), ()),
+        output_allocations=(),
+        static_bytes=5,
+        source="storages",
+    )
+    for segments in ([], [(0, 2)], [(1, 2), (0, 1)]):
+        assert_same_replay(trace, segments, None)
+    assert replayer(trace).lower_bound_bytes([], 1) == 5
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=st.one_of(chain_like_traces(), synthetic_traces()), data=st.data())
 def test_prefix_bound_never_exceeds_a_completion(trace: MemoryTrace, data: st.DataObject) -> None:
