@@ -396,7 +396,7 @@ class Planner:
         cost model's on the meta device)."""
         return self.profile.step_seconds
 
-    def solve(self, budget_bytes: int, *, solver: str = "dp", time_limit_s: float = 30.0) -> Solution:
+    def solve(self, budget_bytes: int, *, solver: str = "auto", time_limit_s: float = 30.0) -> Solution:
         """The least-recompute plan whose simulated peak fits ``budget_bytes``, without
         rewriting or measuring (cheap: the profile and the recorded step are reused).
         Raises :class:`InfeasibleBudgetError` below the minimum."""

@@ -247,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
         default=12,
         help="budgets to solve, evenly spaced from the leanest plan to none (default 12)",
     )
-    frontier.add_argument("--solver", choices=SOLVERS, default="dp")
+    frontier.add_argument("--solver", choices=SOLVERS, default="auto")
     frontier.add_argument("--scope", choices=("total", "activations"), default="total")
     frontier.add_argument(
         "--measure",

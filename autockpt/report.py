@@ -315,7 +315,7 @@ def frontier(
     planner: Planner,
     *,
     budgets: int = 12,
-    solver: str = "dp",
+    solver: str = "auto",
     measure: bool = False,
     on_step: Callable[[str, int, int], None] | None = None,
 ) -> Frontier:
