@@ -197,6 +197,9 @@ class Planner:
             backward_workspace={i: node.backward_workspace for i, node in enumerate(nodes)},
             loss_workspace=self.profile.loss_workspace,
             hidden_saved={i: node.hidden_saved for i, node in enumerate(nodes)},
+            returned_on_device={
+                i: node.returned_on_device for i, node in enumerate(nodes) if not self.meta
+            },
         )
         # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not
         # the activations: the stage model gets the per-rank terms, and each simulated

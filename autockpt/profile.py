@@ -82,6 +82,11 @@ class NodeProfile:
     hidden_saved: int = 0
     """Bytes the node's forward leaves allocated beyond what its operators return (a scalar
     autograd wraps and saves): they live until its backward, like a saved tensor."""
+    returned_on_device: tuple[int, int, int] = (0, 0, 0)
+    """What the node's operators returned on the device (the probe's storage tracker):
+    forward peak, forward net and backward peak above the phase's start. A fake kernel can
+    return less than the real one (an RNN's reserve buffer comes back empty on fake
+    tensors); the recorder adds the difference (autockpt/record.py, note 2)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ def profile(
     inputs: Inputs,
     *,
     loss_fn: LossFn | None = None,
-    repeat: int = 2,
+    repeat: int = 1,
     estimate_times: bool | None = None,
 ) -> Profile:
     """Profile one training step of ``capture``'s graph, node by node, without ever running
@@ -232,6 +237,7 @@ def profile(
             forward_workspace=probe.forward_workspace[i] if probe else 0,
             backward_workspace=probe.backward_workspace[i] if probe else 0,
             hidden_saved=probe.hidden_saved[i] if probe else 0,
+            returned_on_device=probe.returned_on_device[i] if probe else (0, 0, 0),
         )
         for i, node in enumerate(nodes)
     )
@@ -458,6 +464,7 @@ class _ProbeResult:
     forward_workspace: list[int]
     backward_workspace: list[int]
     hidden_saved: list[int]
+    returned_on_device: list[tuple[int, int, int]]
     loss_seconds: float
     loss_workspace: int
     peak_bytes: int
@@ -594,12 +601,14 @@ def _probe(
     tracked = tracker.deltas_by_window()
     workspace: dict[str, int] = {}
     hidden: dict[str, int] = {}
+    returned: dict[str, tuple[int, int]] = {}
     for mark in marks(session, _PROBE_MARK):
         label = mark.name[len(_PROBE_MARK) :]
         real = [e.nbytes for e in events if mark.start_ns <= e.time_ns <= mark.end_ns]
         seen = tracked.get(label, [])
         workspace[label] = max(0, peak_above_start(real) - peak_above_start(seen))
         hidden[label] = max(0, sum(real) - sum(seen))
+        returned[label] = (peak_above_start(seen), sum(seen))
     peak = static_tensor_bytes(model, inputs) + peak_above_start([e.nbytes for e in events])
     del session, events, tracked, tracker, prober
 
@@ -619,6 +628,9 @@ def _probe(
         forward_workspace=[workspace.get(f"f{i}", 0) for i in range(n)],
         backward_workspace=[workspace.get(f"b{i}", 0) for i in range(n)],
         hidden_saved=[hidden.get(f"f{i}", 0) for i in range(n)],
+        returned_on_device=[
+            (*returned.get(f"f{i}", (0, 0)), returned.get(f"b{i}", (0, 0))[0]) for i in range(n)
+        ],
         loss_seconds=loss_seconds,
         loss_workspace=max(workspace.get("floss", 0), workspace.get("bloss", 0)),
         peak_bytes=peak,

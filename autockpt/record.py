@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autockpt.allocations import StorageTracker, static_tensor_bytes
+from autockpt.allocations import StorageTracker, peak_above_start, static_tensor_bytes
 from autockpt.profile import CaptureInterpreter, placeholder_values
 from autockpt.runtime import (
     LossFn,
@@ -60,6 +60,7 @@ def record_trace(
     backward_workspace: Mapping[int, int] | None = None,
     loss_workspace: int = 0,
     hidden_saved: Mapping[int, int] | None = None,
+    returned_on_device: Mapping[int, tuple[int, int, int]] | None = None,
 ) -> MemoryTrace:
     """Record one step of ``capture``'s graph as attributed allocation events, on fake
     tensors (note 1): nothing the size of an activation is allocated.
@@ -76,6 +77,13 @@ def record_trace(
     static = static_tensor_bytes(model, inputs)
     with preserved_training_state(model), fake_step(model, inputs) as fake_inputs:
         trace = _record(model, capture, fake_inputs, index_of, loss_fn, static)
+    forward_workspace = dict(forward_workspace or {})
+    backward_workspace = dict(backward_workspace or {})
+    hidden_saved = dict(hidden_saved or {})
+    if returned_on_device:
+        _add_what_fake_kernels_miss(
+            trace, returned_on_device, forward_workspace, backward_workspace, hidden_saved
+        )
     if forward_workspace or backward_workspace or loss_workspace or hidden_saved:
         trace = _with_workspaces(
             trace,
@@ -87,6 +95,47 @@ def record_trace(
     return trace
 
 
+def _add_what_fake_kernels_miss(
+    trace: MemoryTrace,
+    returned_on_device: Mapping[int, tuple[int, int, int]],
+    forward: dict[int, int],
+    backward: dict[int, int],
+    hidden: dict[int, int],
+) -> None:
+    """Note 2, second half: where a node's operators returned more on the device than on
+    fake tensors (``aten::mkldnn_rnn_layer`` returns its reserve buffer on the CPU and an
+    empty one from its fake kernel), the difference joins the node's workspace (peaks) and
+    its hidden saved bytes (what is still allocated when its forward ends). Only what a
+    window allocates itself is compared: the probe runs each node alone."""
+    seen: set[int] = set()
+    own: dict[int, list[int]] = {}
+    made_in: dict[int, int] = {}
+    for a, w in trace.events:
+        if a in seen:
+            if made_in.get(a) == w:
+                own[w].append(-trace.sizes[a])
+            continue
+        seen.add(a)
+        made_in[a] = w
+        own.setdefault(w, []).append(trace.sizes[a])
+    forward_window: dict[int, int] = {}
+    backward_peak: dict[int, int] = {}
+    for w, win in enumerate(trace.windows):
+        if win.phase == FORWARD:
+            forward_window[win.node] = w
+        elif win.phase == BACKWARD:
+            peak = peak_above_start(own.get(w, []))
+            backward_peak[win.node] = max(backward_peak.get(win.node, 0), peak)
+    for node, (f_peak, f_net, b_peak) in returned_on_device.items():
+        deltas = own.get(forward_window.get(node, -1), [])
+        missed_net = max(0, f_net - sum(deltas))
+        hidden[node] = hidden.get(node, 0) + missed_net
+        # the hidden bytes open the window (below), so they count toward its peak already
+        missed_peak = f_peak - peak_above_start(deltas) - missed_net
+        forward[node] = forward.get(node, 0) + max(0, missed_peak)
+        backward[node] = backward.get(node, 0) + max(0, b_peak - backward_peak.get(node, 0))
+
+
 def _with_workspaces(
     trace: MemoryTrace,
     forward: Mapping[int, int],
@@ -96,7 +145,7 @@ def _with_workspaces(
 ) -> MemoryTrace:
     """``trace`` with what the probe saw and fake tensors cannot (note 2): one workspace
     allocation spanning each window that has one, and each node's hidden saved bytes from
-    the end of its forward to the end of its backward, saved by that node (so a plan that
+    the start of its forward to the end of its backward, saved by that node (so a plan that
     checkpoints the node drops and recomputes them like its other saved tensors).
 
     A node's backward may be split into several windows (several autograd nodes); each gets
@@ -129,7 +178,9 @@ def _with_workspaces(
     saved = [list(ids) for ids in trace.saved]
     for node, size in sorted(hidden_saved.items()):
         if size > 0 and node in last_backward and node in forward_window:
-            saved[node].append(span(size, forward_window[node], last_backward[node], False))
+            # allocated as the forward starts: before the node's saves, so a recompute that
+            # stops after its last save (note 3) makes them again
+            saved[node].append(span(size, forward_window[node], last_backward[node], True))
     # One pass in time order; windows only advance along the event list.
     events: list[tuple[int, int]] = []
     position = [0] * (len(trace.events) + 1)  # old event index -> new one (for last_pack)
