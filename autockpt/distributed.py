@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.allocations import allocator_events
 from autockpt.blocks import find_repeated_blocks
 from autockpt.errors import ShardingError
 from autockpt.plan import Plan, RankMemory
@@ -484,21 +485,8 @@ def _report_cpu_memory_flag() -> Any:
 
 def _allocations(prof: Any) -> list[tuple[int, int, int]]:
     """``(address, signed bytes, allocator total after it)`` of every CPU allocator event of
-    a session, in time order."""
-    allocation = torch._C._profiler._EventType.Allocation
-    found: list[tuple[int, int, int, int]] = []
-    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
-    while stack:  # pre-order, siblings in recorded order, so the sort below is stable
-        node = stack.pop()
-        stack.extend(reversed(node.children))
-        if node.tag == allocation:
-            fields = node.extra_fields
-            if fields.device.type == "cpu" and fields.alloc_size:
-                found.append(
-                    (node.start_time_ns, fields.ptr, fields.alloc_size, fields.total_allocated)
-                )
-    found.sort(key=lambda item: item[0])
-    return [(ptr, nbytes, total) for _, ptr, nbytes, total in found]
+    a session, in time order (read by the one recording layer, ``autockpt.allocations``)."""
+    return [(e.ptr, e.nbytes, e.total) for e in allocator_events(prof, "cpu")]
 
 
 @dataclass(frozen=True)

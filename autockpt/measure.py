@@ -27,7 +27,11 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from autockpt.allocations import quiet_native_stderr  # noqa: E402
+from autockpt.allocations import (  # noqa: E402
+    allocator_events,
+    peak_above_start,
+    profiler_session,
+)
 from autockpt.runtime import (  # noqa: E402
     LossFn,
     clear_grads,
@@ -112,27 +116,9 @@ def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn) -> None:
 
 
 def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with quiet_native_stderr():
-        prof.start()
-    try:
+    with profiler_session() as session:
         _step(model, inputs, loss_fn)
-    finally:
-        with quiet_native_stderr():
-            prof.stop()
-    events = [
-        e
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    events.sort(key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return static + peak
+    return static + peak_above_start([e.nbytes for e in allocator_events(session, "cpu")])
 
 
 def _cuda_peak(
