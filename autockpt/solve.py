@@ -75,22 +75,23 @@ class BudgetSearch:
             self._leanest = _with_peak(found, self.predict(found.segments))
         return self._leanest
 
-    def least_recompute(
-        self, budget_bytes: int, *, time_limit_s: float | None = 30.0
-    ) -> Solution:
+    def least_recompute(self, budget_bytes: int, *, time_limit_s: float | None = 30.0) -> Solution:
         """The least-recompute plan whose predicted peak fits ``budget_bytes``."""
         return self._fitting(
             budget_bytes,
+            # the leanest plan is a seed too: a budget at or above the stated minimum
+            # always finds a plan
             lambda budget: least_recompute(
-                self.replay_chain, budget, seeds=self.seeds, time_limit_s=time_limit_s
+                self.replay_chain,
+                budget,
+                seeds=(*self.seeds, tuple(self.leanest().segments)),
+                time_limit_s=time_limit_s,
             ),
         )
 
     # -- the stage-chain solvers, judged by the replay -----------------------------------
 
-    def chain_solver(
-        self, budget_bytes: int, solver: str, *, time_limit_s: float
-    ) -> Solution:
+    def chain_solver(self, budget_bytes: int, solver: str, *, time_limit_s: float) -> Solution:
         """``solver``'s answer (dp, ilp, sqrt, greedy: optimal for the stage-chain proxy)
         at the largest proxy budget whose plan the replay accepts (bisection). Reported as
         ``feasible``: it is not optimal under the replay."""
