@@ -13,6 +13,7 @@ import autockpt
 from autockpt.api import Planner
 from autockpt.errors import GIB
 from autockpt.zoo import ZOO
+from solvers.search import recompute_seconds
 from tests.conftest import assert_same_step, train_step
 
 MODELS = sorted(ZOO)
@@ -49,9 +50,16 @@ def test_optimize_trains_like_eager_and_fits_budget(zoo_case):
         assert_same_step(expected, got)
         # the budget is a promise about measured memory, not about the prediction
         measured = autockpt.measure(fast, inputs, repeat=1)
-        assert measured.peak_bytes <= plan.budget_bytes, (name, fraction, measured.peak_bytes, plan.budget_bytes)
+        assert measured.peak_bytes <= plan.budget_bytes, (
+            name,
+            fraction,
+            measured.peak_bytes,
+            plan.budget_bytes,
+        )
         assert plan.predicted_peak_bytes <= plan.budget_bytes
-        assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
+        assert (
+            plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
+        )
         assert autockpt.Plan.from_json(plan.to_json()) == plan
 
 
@@ -144,7 +152,9 @@ def test_bad_arguments_raise_clear_errors():
         autockpt.optimize(model, inputs, budget_gb=1, solver="magic")
     with pytest.raises(TypeError, match="nn.Module"):
         autockpt.optimize(lambda x: x, inputs, budget_gb=1)
-    ddp_like = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    ddp_like = torch.nn.parallel.DistributedDataParallel.__new__(
+        torch.nn.parallel.DistributedDataParallel
+    )
     torch.nn.Module.__init__(ddp_like)
     with pytest.raises(autockpt.AutockptError, match="optimize on the plain module first"):
         autockpt.optimize(ddp_like, inputs, budget_gb=1)
@@ -159,3 +169,49 @@ def test_no_grad_inference_runs_segments_plainly():
         expected = model(*inputs)
         got = fast(*inputs)
     torch.testing.assert_close(got, expected)
+
+
+def _all_plans(num_stages: int, start: int = 0) -> list[list[tuple[int, int]]]:
+    """Every set of disjoint stage ranges on stages ``start..num_stages``."""
+    if start >= num_stages:
+        return [[]]
+    plans = list(_all_plans(num_stages, start + 1))  # stage kept
+    for end in range(start + 1, num_stages + 1):
+        plans += [[(start, end), *rest] for rest in _all_plans(num_stages, end)]
+    return plans
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_stated_minimum_is_the_exact_minimum_over_every_expressible_plan(name):
+    """On a chain small enough to enumerate, the stated minimum is the least predicted peak
+    of every plan the rewriter can express, and a budget at it is met (measured)."""
+    model, example = ZOO[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, example, max_stages=7)
+    plans = _all_plans(planner.chain.num_stages)
+    assert len(plans) > 100
+    least = min(planner.predict(plan) for plan in plans)
+    assert planner.minimum_peak_bytes == least
+    fast = planner.optimize(budget_gb=least / GIB)
+    assert fast.plan.solver_status == "optimal"
+    assert autockpt.measure(fast, example, repeat=1).peak_bytes <= least
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_the_per_block_hand_plan_is_never_called_infeasible(name):
+    """Checkpointing each repeated block by hand is in the plan space; at its predicted
+    peak optimize finds a plan at least as cheap under the cost model and meets it."""
+    model, example = ZOO[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, example)
+    per_block = planner.per_block_segments
+    assert per_block, "the zoo model has repeated blocks"
+    peak = planner.predict(per_block)
+    assert planner.minimum_peak_bytes <= peak
+    fast = planner.optimize(budget_gb=peak / GIB)
+    assert autockpt.measure(fast, example, repeat=1).peak_bytes <= peak
+    chosen = [(s.start_stage, s.end_stage) for s in fast.plan.segments]
+    cost = planner.search.replay_chain
+    assert recompute_seconds(cost, chosen) <= recompute_seconds(cost, list(per_block))
