@@ -73,7 +73,7 @@ def test_llama_plans_and_trains_like_eager() -> None:
     model, inputs = _tiny_llama().build()
     planner = Planner(model, inputs)
     budget = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2
-    fast = planner.optimize(budget_gb=budget / GIB, solver="dp")
+    fast = planner.optimize(budget_gb=budget / GIB)
     assert fast.plan.measured_peak_bytes <= fast.plan.budget_bytes
     assert_same_step(train_step(model, inputs), train_step(fast, inputs))
 
@@ -81,7 +81,7 @@ def test_llama_plans_and_trains_like_eager() -> None:
 def test_one_case_end_to_end_writes_files_and_flags(tmp_path) -> None:
     cells = e2e.run_case(
         _tiny_stack(),
-        methods=("none", "per_block", "dp", "rockmate"),
+        methods=("none", "per_block", "auto", "rockmate"),
         rounds=2,
         device=torch.device("cpu"),
         compile_models=(),
@@ -94,9 +94,9 @@ def test_one_case_end_to_end_writes_files_and_flags(tmp_path) -> None:
     assert none.measured_peak_bytes > blocks.measured_peak_bytes  # checkpointing saved memory
     assert none.ratio_to_none == pytest.approx(1.0)
     assert len(blocks.times) == 2 and blocks.ratio_to_none > 0
-    planned = [c for c in by_method["dp"] if c.error is None]
-    assert planned, [c.error for c in by_method["dp"]]
-    labels = {label for c in by_method["dp"] for label in c.budget_label.split("/")}
+    planned = [c for c in by_method["auto"] if c.error is None]
+    assert planned, [c.error for c in by_method["auto"]]
+    labels = {label for c in by_method["auto"] for label in c.budget_label.split("/")}
     assert {"leanest", "per_block_peak", "halfway", "none_peak"} <= labels
     for cell in planned:
         assert cell.over_budget is (cell.measured_peak_bytes > cell.budget_bytes)
@@ -129,7 +129,7 @@ def test_targets_flag_an_over_budget_plan_and_a_slow_one() -> None:
     blocks = e2e.Cell("m", "per_block", measured_peak_bytes=100, times=[2.0, 2.0])
     at_blocks = e2e.Cell(
         "m",
-        "dp",
+        "auto",
         "per_block_peak",
         100,
         measured_peak_bytes=101,
@@ -137,7 +137,7 @@ def test_targets_flag_an_over_budget_plan_and_a_slow_one() -> None:
         times=[1.5, 1.5],
     )
     halfway = e2e.Cell(
-        "m", "dp", "halfway", 150, measured_peak_bytes=140, over_budget=False, times=[1.9, 1.9]
+        "m", "auto", "halfway", 150, measured_peak_bytes=140, over_budget=False, times=[1.9, 1.9]
     )
     targets = {t.target: t for t in e2e.evaluate_targets([none, blocks, at_blocks, halfway])}
     assert targets["never over budget"].met is False
