@@ -131,6 +131,8 @@ class StorageTracker(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []
         self.window = 0
         self.backward_window_of: Any = None  # sequence number -> window index
+        self.op_log: dict[Any, list[tuple[str, int]]] | None = None
+        """When a dict: per window, ``(operator, bytes of the new storages it returned)``."""
 
     def key(self, t: torch.Tensor) -> int | None:
         return self.ids.get(id(t.untyped_storage()))
@@ -143,16 +145,21 @@ class StorageTracker(TorchDispatchMode):
                 if w is not None:
                     self.window = w
         out = func(*args, **(kwargs or {}))
-        for t in tensors_in(out):
+        returned = 0
+        outputs = tensors_in(out)
+        for t in outputs:
             storage = t.untyped_storage()
             sid = id(storage)
             if sid in self.ids or sid in self.static_ids or storage.nbytes() == 0:
                 continue
+            returned += storage.nbytes()
             a = len(self.sizes)
             self.ids[sid] = a
             self.sizes.append(storage.nbytes())
             self.events.append((a, self.window))
             weakref.finalize(storage, self._free, sid, a)
+        if self.op_log is not None and outputs:
+            self.op_log.setdefault(self.window, []).append((str(func), returned))
         return out
 
     def _free(self, sid: int, a: int) -> None:
@@ -214,3 +221,19 @@ def static_tensor_bytes(model: nn.Module, inputs: Inputs) -> int:
             seen.add(id(storage))
             total += storage.nbytes()
     return total
+
+
+def returned_short(fake: list[tuple[str, int]], real: list[tuple[str, int]]) -> int:
+    """Bytes the real kernels returned beyond the fake ones, operator by operator, for one
+    node run both ways. The two runs are aligned on operator names (a fake run may skip an
+    operator such as ``detach`` that the real one dispatches); unmatched ones count 0."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(
+        a=[op for op, _ in fake], b=[op for op, _ in real], autojunk=False
+    )
+    missed = 0
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            missed += max(0, real[block.b + k][1] - fake[block.a + k][1])
+    return missed

@@ -197,8 +197,8 @@ class Planner:
             backward_workspace={i: node.backward_workspace for i, node in enumerate(nodes)},
             loss_workspace=self.profile.loss_workspace,
             hidden_saved={i: node.hidden_saved for i, node in enumerate(nodes)},
-            returned_on_device={
-                i: node.returned_on_device for i, node in enumerate(nodes) if not self.meta
+            device_forward_ops={
+                i: node.device_forward_ops for i, node in enumerate(nodes) if not self.meta
             },
         )
         # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not

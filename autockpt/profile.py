@@ -82,11 +82,11 @@ class NodeProfile:
     hidden_saved: int = 0
     """Bytes the node's forward leaves allocated beyond what its operators return (a scalar
     autograd wraps and saves): they live until its backward, like a saved tensor."""
-    returned_on_device: tuple[int, int, int] = (0, 0, 0)
-    """What the node's operators returned on the device (the probe's storage tracker):
-    forward peak, forward net and backward peak above the phase's start. A fake kernel can
-    return less than the real one (an RNN's reserve buffer comes back empty on fake
-    tensors); the recorder adds the difference (autockpt/record.py, note 2)."""
+    device_forward_ops: tuple[tuple[str, int], ...] = ()
+    """The operators the node's forward called on the device and the bytes of new storage
+    each returned (the probe's storage tracker). A fake kernel can return less than the
+    real one (an RNN's reserve buffer comes back empty on fake tensors); the recorder
+    compares operator by operator and adds the difference (autockpt/record.py, note 2)."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def profile(
             forward_workspace=probe.forward_workspace[i] if probe else 0,
             backward_workspace=probe.backward_workspace[i] if probe else 0,
             hidden_saved=probe.hidden_saved[i] if probe else 0,
-            returned_on_device=probe.returned_on_device[i] if probe else (0, 0, 0),
+            device_forward_ops=probe.device_forward_ops[i] if probe else (),
         )
         for i, node in enumerate(nodes)
     )
@@ -464,7 +464,7 @@ class _ProbeResult:
     forward_workspace: list[int]
     backward_workspace: list[int]
     hidden_saved: list[int]
-    returned_on_device: list[tuple[int, int, int]]
+    device_forward_ops: list[tuple[tuple[str, int], ...]]
     loss_seconds: float
     loss_workspace: int
     peak_bytes: int
@@ -532,14 +532,20 @@ class _Prober(CaptureInterpreter):
         wants = iter(needs_grad)
         leaves: list[torch.Tensor] = []
         fresh = []
+        copies: dict[
+            int, Any
+        ] = {}  # one copy per tensor object: attention(x, x, x) stays self-attention
         for value in flat:
             if isinstance(value, torch.Tensor):
-                if next(wants, False) and (value.is_floating_point() or value.is_complex()):
+                wanted = next(wants, False)
+                if id(value) in copies:
+                    value = copies[id(value)]
+                elif wanted and (value.is_floating_point() or value.is_complex()):
                     leaf = value.detach().requires_grad_()
                     leaves.append(leaf)
-                    value = leaf.clone() if in_place else leaf
+                    value = copies[id(value)] = leaf.clone() if in_place else leaf
                 elif in_place:
-                    value = value.clone()
+                    value = copies[id(value)] = value.clone()
             fresh.append(value)
         args, kwargs = pytree.tree_unflatten(fresh, spec)
         existing = [t for t in fresh if isinstance(t, torch.Tensor)] + leaves + parameters
@@ -592,6 +598,7 @@ def _probe(
     device = device_of(model, inputs)
     n = len(index_of)
     tracker = StorageTracker()
+    tracker.op_log = {}
     prober = _Prober(model, capture, index_of, structure, timed=False, tracker=tracker)
     with profiler_session() as session:
         output = run_graph(capture, model, inputs, prober)
@@ -599,16 +606,15 @@ def _probe(
         del output
     events = allocator_events(session, device.type)
     tracked = tracker.deltas_by_window()
+    ops = tracker.op_log
     workspace: dict[str, int] = {}
     hidden: dict[str, int] = {}
-    returned: dict[str, tuple[int, int]] = {}
     for mark in marks(session, _PROBE_MARK):
         label = mark.name[len(_PROBE_MARK) :]
         real = [e.nbytes for e in events if mark.start_ns <= e.time_ns <= mark.end_ns]
         seen = tracked.get(label, [])
         workspace[label] = max(0, peak_above_start(real) - peak_above_start(seen))
         hidden[label] = max(0, sum(real) - sum(seen))
-        returned[label] = (peak_above_start(seen), sum(seen))
     peak = static_tensor_bytes(model, inputs) + peak_above_start([e.nbytes for e in events])
     del session, events, tracked, tracker, prober
 
@@ -628,9 +634,7 @@ def _probe(
         forward_workspace=[workspace.get(f"f{i}", 0) for i in range(n)],
         backward_workspace=[workspace.get(f"b{i}", 0) for i in range(n)],
         hidden_saved=[hidden.get(f"f{i}", 0) for i in range(n)],
-        returned_on_device=[
-            (*returned.get(f"f{i}", (0, 0)), returned.get(f"b{i}", (0, 0))[0]) for i in range(n)
-        ],
+        device_forward_ops=[tuple(ops.get(f"f{i}", ())) for i in range(n)],
         loss_seconds=loss_seconds,
         loss_workspace=max(workspace.get("floss", 0), workspace.get("bloss", 0)),
         peak_bytes=peak,

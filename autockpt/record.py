@@ -28,14 +28,14 @@ docstring for why a replay of recorded allocations. How a step is recorded, and 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from autockpt.allocations import StorageTracker, peak_above_start, static_tensor_bytes
+from autockpt.allocations import StorageTracker, returned_short, static_tensor_bytes
 from autockpt.profile import CaptureInterpreter, placeholder_values
 from autockpt.runtime import (
     LossFn,
@@ -60,7 +60,7 @@ def record_trace(
     backward_workspace: Mapping[int, int] | None = None,
     loss_workspace: int = 0,
     hidden_saved: Mapping[int, int] | None = None,
-    returned_on_device: Mapping[int, tuple[int, int, int]] | None = None,
+    device_forward_ops: Mapping[int, Sequence[tuple[str, int]]] | None = None,
 ) -> MemoryTrace:
     """Record one step of ``capture``'s graph as attributed allocation events, on fake
     tensors (note 1): nothing the size of an activation is allocated.
@@ -76,14 +76,12 @@ def record_trace(
     index_of = {node: i for i, node in enumerate(nodes)}
     static = static_tensor_bytes(model, inputs)
     with preserved_training_state(model), fake_step(model, inputs) as fake_inputs:
-        trace = _record(model, capture, fake_inputs, index_of, loss_fn, static)
+        trace, fake_ops = _record(model, capture, fake_inputs, index_of, loss_fn, static)
     forward_workspace = dict(forward_workspace or {})
     backward_workspace = dict(backward_workspace or {})
     hidden_saved = dict(hidden_saved or {})
-    if returned_on_device:
-        _add_what_fake_kernels_miss(
-            trace, returned_on_device, forward_workspace, backward_workspace, hidden_saved
-        )
+    if device_forward_ops:
+        _add_what_fake_kernels_miss(trace, fake_ops, device_forward_ops, hidden_saved)
     if forward_workspace or backward_workspace or loss_workspace or hidden_saved:
         trace = _with_workspaces(
             trace,
@@ -97,43 +95,21 @@ def record_trace(
 
 def _add_what_fake_kernels_miss(
     trace: MemoryTrace,
-    returned_on_device: Mapping[int, tuple[int, int, int]],
-    forward: dict[int, int],
-    backward: dict[int, int],
+    fake_ops: Mapping[int, list[tuple[str, int]]],
+    device_ops: Mapping[int, Sequence[tuple[str, int]]],
     hidden: dict[int, int],
 ) -> None:
-    """Note 2, second half: where a node's operators returned more on the device than on
-    fake tensors (``aten::mkldnn_rnn_layer`` returns its reserve buffer on the CPU and an
-    empty one from its fake kernel), the difference joins the node's workspace (peaks) and
-    its hidden saved bytes (what is still allocated when its forward ends). Only what a
-    window allocates itself is compared: the probe runs each node alone."""
-    seen: set[int] = set()
-    own: dict[int, list[int]] = {}
-    made_in: dict[int, int] = {}
-    for a, w in trace.events:
-        if a in seen:
-            if made_in.get(a) == w:
-                own[w].append(-trace.sizes[a])
-            continue
-        seen.add(a)
-        made_in[a] = w
-        own.setdefault(w, []).append(trace.sizes[a])
-    forward_window: dict[int, int] = {}
-    backward_peak: dict[int, int] = {}
-    for w, win in enumerate(trace.windows):
-        if win.phase == FORWARD:
-            forward_window[win.node] = w
-        elif win.phase == BACKWARD:
-            peak = peak_above_start(own.get(w, []))
-            backward_peak[win.node] = max(backward_peak.get(win.node, 0), peak)
-    for node, (f_peak, f_net, b_peak) in returned_on_device.items():
-        deltas = own.get(forward_window.get(node, -1), [])
-        missed_net = max(0, f_net - sum(deltas))
-        hidden[node] = hidden.get(node, 0) + missed_net
-        # the hidden bytes open the window (below), so they count toward its peak already
-        missed_peak = f_peak - peak_above_start(deltas) - missed_net
-        forward[node] = forward.get(node, 0) + max(0, missed_peak)
-        backward[node] = backward.get(node, 0) + max(0, b_peak - backward_peak.get(node, 0))
+    """Note 2, second half: where an operator of a node's forward returned more on the
+    device than on fake tensors (``aten::mkldnn_rnn_layer`` returns its reserve buffer on
+    the CPU and an empty one from its fake kernel), the difference joins the node's hidden
+    saved bytes (such buffers are what the backward needs). Operators are compared one by
+    one, in order; a node whose two runs called different operators is left as recorded."""
+    forward_window = {win.node: w for w, win in enumerate(trace.windows) if win.phase == FORWARD}
+    for node, real in device_ops.items():
+        fake = fake_ops.get(forward_window.get(node, -1), [])
+        missed = returned_short(list(fake), list(real))
+        if missed:
+            hidden[node] = hidden.get(node, 0) + missed
 
 
 def _with_workspaces(
@@ -281,12 +257,14 @@ def _record(
     index_of: dict[fx.Node, int],
     loss_fn: LossFn,
     static: int,
-) -> MemoryTrace:
+) -> tuple[MemoryTrace, dict[int, list[tuple[str, int]]]]:
     """One step of the graph under :class:`autockpt.allocations.StorageTracker` (note 1), on whatever tensors
-    ``model`` and ``inputs`` hold (fake or meta)."""
+    ``model`` and ``inputs`` hold (fake or meta); also the operators each window called and
+    the bytes of new storage each returned."""
     statics = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
     tracker = StorageTracker({id(s) for s in static_storages})
+    tracker.op_log = {}
     n = len(index_of)
     windows: list[Window] = []
     seq_owner: dict[int, int] = {}
@@ -359,4 +337,4 @@ def _record(
         # budget counts CPU memory, and on the meta device (target unknown) to be safe.
         rng_state_bytes=torch.get_rng_state().nbytes if device.type in ("cpu", "meta") else 0,
         last_pack=tuple(last_pack),
-    )
+    ), tracker.op_log
