@@ -11,8 +11,8 @@ parameter gradients, saved and recomputed activations, transient workspaces.
   step, plus the static tensors alive when it starts, is the allocator-level peak. This sees
   kernel workspaces and autograd's own buffers, which a model of the graph cannot.
 
-Step time is the median of ``repeat`` un-instrumented steps. The model's state (buffers,
-``.grad``, RNG) is restored afterwards.
+Step time is the median of ``repeat`` un-instrumented steps (``repeat=0``: memory only, step
+time 0). The model's state (buffers, ``.grad``, RNG) is restored afterwards.
 """
 
 from __future__ import annotations
@@ -87,12 +87,13 @@ def measure(
             peak = _cpu_peak(model, inputs, loss_fn, static)
         clear_grads(model)
         times = []
-        for _ in range(max(1, repeat)):
+        for _ in range(max(0, repeat)):
             start = now(device)
             _step(model, inputs, loss_fn)
             times.append(now(device) - start)
             clear_grads(model)
-    return Measurement(peak, static, statistics.median(times), str(device), max(1, repeat))
+    seconds = statistics.median(times) if times else 0.0
+    return Measurement(peak, static, seconds, str(device), max(0, repeat))
 
 
 def static_bytes(model: nn.Module, inputs: Inputs) -> int:
