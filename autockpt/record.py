@@ -188,14 +188,15 @@ def _with_workspaces(
 
 class _NodeRunner(CaptureInterpreter):
     """Runs the captured graph like its generated code (values die after their last use),
-    marks each compute node, and notes per node the storages it reads, returns and saves."""
+    announces each compute node (``on_node``) and each save (``on_pack``), and notes per
+    node the allocations it reads, returns and saves."""
 
     def __init__(
         self, model: nn.Module, capture: Capture, index_of: dict[fx.Node, int], key: Any
     ) -> None:
         super().__init__(model, capture, garbage_collect_values=True)
         self.index_of = index_of
-        self.key = key  # storage -> hashable key, or None for a plain run
+        self.key = key  # storage -> allocation id (None for storages the tracker ignores)
         n = len(index_of)
         self.reads: list[list[Any]] = [[] for _ in range(n)]
         self.outputs: list[list[Any]] = [[] for _ in range(n)]
@@ -206,8 +207,6 @@ class _NodeRunner(CaptureInterpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         i = self.index_of.get(n)
-        if self.key is None:
-            return super().run_node(n)
         if i is None:
             result = super().run_node(n)
             if n.op == "output":

@@ -40,7 +40,10 @@ def _plans_in_parallel(name: str, fraction: float, processes: int) -> list[dict]
     running = [
         subprocess.Popen(
             [sys.executable, "-c", _PLAN_ONE, name, str(fraction)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for _ in range(processes)
     ]
