@@ -60,7 +60,7 @@ _DROPOUT = 0.1
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Config validation logs warnings about token ids of the tiny vocabularies; hush them."""
     logger = logging.getLogger("transformers")
     level = logger.level
@@ -72,7 +72,7 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def _build(config_cls: type, model_cls: type, seed: int, **config: Any) -> nn.Module:
-    with _quiet_transformers():
+    with quiet_transformers():
         cfg = config_cls(**config)
         torch.manual_seed(seed)
         model = model_cls(cfg)

@@ -31,15 +31,13 @@ Writes ``survey.json``, ``survey.csv``, ``survey.md`` and ``survey.png``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
-import logging
 import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +49,7 @@ import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
 from autockpt.zoo import BasicBlock  # noqa: E402
+from autockpt.zoo_hf import quiet_transformers  # noqa: E402
 from benchmarks.planning import gradient_bytes  # noqa: E402
 
 MIB = 2**20
@@ -189,16 +188,6 @@ def resnet18(
 # ---------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    logger = logging.getLogger("transformers")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
 
 def _hf(
     config: str, model: str, batch: int, image: int, seed: int, **settings: Any
@@ -207,7 +196,7 @@ def _hf(
     mode, with ``pixel_values`` and ``labels`` (its output carries the loss)."""
     import transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         cfg = getattr(transformers, config)(num_labels=10, **settings)
         torch.manual_seed(seed)
         built = getattr(transformers, model)(cfg).train()
