@@ -144,6 +144,9 @@ def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> li
         name = str(node.target)
         if name in bound.arguments:
             values.append(bound.arguments[name])
+        elif name.startswith("*"):  # fx's placeholder for ``*args`` / ``**kwargs``
+            empty: Any = {} if name.startswith("**") else ()
+            values.append(bound.arguments.get(name.lstrip("*"), empty))
         elif node.args:
             values.append(node.args[0])
         else:

@@ -330,3 +330,27 @@ def test_value_dependent_step_is_refused_with_the_operator_named_before_any_real
         profile(model, captured, inputs)
     assert torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
+
+
+class _TakesKwargs(nn.Module):
+    """A forward with ``**kwargs`` that fx traces (a Hugging Face head does this): fx gives
+    the catch-all its own placeholder, which must receive an empty dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, **kwargs: object) -> torch.Tensor:
+        return self.body(x) * scale
+
+
+def test_a_var_keyword_placeholder_gets_an_empty_dict():
+    import autockpt
+
+    model = _TakesKwargs()
+    x = torch.randn(4, 8)
+    captured = capture(model, Inputs.of((x,)))
+    assert any(str(n.target) == "**kwargs" for n in captured.graph.nodes if n.op == "placeholder")
+    result = autockpt.optimize(model, (x,), budget_gb=1.0)
+    expected = model(x)
+    assert torch.equal(result(x), expected)
