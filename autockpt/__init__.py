@@ -14,7 +14,9 @@ from autockpt.errors import (  # noqa: E402
     InfeasibleBudgetError,
     PlanFormatError,
     PlanMismatchError,
+    PrecisionWarning,
     TraceError,
+    UncoveredCallWarning,
 )
 from autockpt.measure import Measurement, measure  # noqa: E402
 from autockpt.plan import MemoryBreakdown, Plan, Segment  # noqa: E402
@@ -27,8 +29,10 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",
+    "PrecisionWarning",
     "Segment",
     "TraceError",
+    "UncoveredCallWarning",
     "__version__",
     "apply",
     "measure",

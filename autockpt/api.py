@@ -12,10 +12,16 @@ when both the prediction and the measurement fit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import math
+import numbers
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,19 +35,33 @@ from autockpt.distributed import (
     rank_problem,
     resolve_sharding,
 )
-from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError
+from autockpt.errors import (
+    GIB,
+    AutockptError,
+    BudgetError,
+    BudgetTypeError,
+    CompileError,
+    InfeasibleBudgetError,
+    PlanMismatchError,
+    TraceError,
+)
 from autockpt.measure import Measurement, measure
 from autockpt.plan import MemoryBreakdown, MemoryTimeline, Plan, RankMemory, Segment
+from autockpt.precision import Precision
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, StageRange, build_chain
 from autockpt.profile import NodeProfile, Profile, profile
 from autockpt.record import record_trace
-from autockpt.rewrite import SegmentSpec, rewrite
-from autockpt.runtime import LossFn, device_of
+from autockpt.rewrite import SegmentSpec, is_checkpointed, plain_module, planned_inputs, rewrite
+from autockpt.rng import worst_case_draws
+from autockpt.runtime import LossFn, as_found, device_of
 from autockpt.solve import SEARCH_METHODS, BudgetSearch
 from autockpt.trace import Capture, Inputs, capture, given_input_names
 from solvers import METHODS, InfeasibleError, Simulation, Solution, simulate
 from solvers.replay import simulate as simulate_plan
 from solvers.replay import timeline as simulate_timeline
+
+if TYPE_CHECKING:
+    from autockpt.nested import SubmodulePlanner
 
 ProgressFn = Callable[[str], None]
 """Called with a short description (``"profiling"``) as each planning stage begins."""
@@ -98,6 +118,8 @@ def optimize(
     """
     from autockpt.distributed import PlanRequest, plan_on_one_rank
 
+    budget_gb = check_budget_gb(budget_gb)
+
     def plan_here() -> nn.Module:
         planner = Planner(
             model,
@@ -122,6 +144,18 @@ def optimize(
     )
 
 
+def _leaves_as_found(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A :class:`Planner` method that leaves the model, its example inputs and the global
+    random generators as found (:func:`autockpt.runtime.as_found`)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Planner, *args: Any, **kwargs: Any) -> Any:
+        with as_found(self.model, self.inputs):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Planner:
     """Capture, profile and calibrate a model once; then plan it for any number of budgets.
 
@@ -144,16 +178,28 @@ class Planner:
         fsdp_units: Iterable[str] | None = None,
         progress: ProgressFn | None = None,
     ) -> None:
-        _check_model(model)
+        model, self._hand_back = _plain_module(model)
         self.progress: ProgressFn = progress or (lambda stage: None)
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.sharding: Sharding = resolve_sharding(model, world_size, sharding, fsdp_units)
         self.model = model
-        self.inputs = Inputs.of(example_inputs)
+        self.inputs = Inputs.of(example_inputs).as_called(model)
         self.scope = scope
         self.loss_fn = loss_fn
+        _warn_if_eval(model)
+        with as_found(model, self.inputs), _training_mode(model):
+            self._prepare(model, scope, loss_fn, leaf_modules, max_stages)
+
+    def _prepare(
+        self, model: nn.Module, scope: str, loss_fn: LossFn | None, leaf_modules: Iterable[str],
+        max_stages: int,
+    ) -> None:
+        """Capture, profile, record and search (``__init__``'s work, in training mode)."""
         device = device_of(model, self.inputs)
+        # The step is planned in the precision in effect now: an autocast context around
+        # the call is the one training runs in (autockpt/precision.py).
+        self.precision = Precision.now(model)
         planning = _PlanningPeak(device)
         # FSDP units are leaves: they stay module calls, so fully_shard's hooks fire and
         # checkpoint segments hold whole units (autockpt.distributed explains why).
@@ -161,8 +207,20 @@ class Planner:
         leaves = given_leaves + tuple(u for u in self.sharding.units if u not in given_leaves)
         self.phase_seconds: dict[str, float] = {}
         """Wall seconds per planning phase (capture, profile, record, search, verify)."""
+        self.nested: SubmodulePlanner | None = None
+        """Set when the root's own forward cannot be captured: the plan is then made inside
+        its largest capturing submodule (autockpt/nested.py), and :meth:`optimize` and the
+        predicted range are what this planner offers."""
         self._phase("capture", "capturing the graph")
-        self.capture = capture(model, self.inputs, leaf_modules=leaves)
+        try:
+            self.capture = capture(model, self.inputs, leaf_modules=leaves)
+        except TraceError as error:
+            # Before any profiling of the root: data-dependent code in the root itself
+            # (an input check) runs eagerly around a submodule that is planned instead.
+            if not error.in_root_code or self.sharding.active or device.type == "meta":
+                raise
+            self._plan_inside_submodule(error, given_leaves, max_stages)
+            return
         check_units_called(self.capture, self.sharding.units)
         # Planning fits where the plan fits: sizes come from a step on fake tensors, kernel
         # workspaces and times from a probe that runs one node at a time on the device
@@ -235,6 +293,40 @@ class Planner:
         self.planning_peak_bytes = planning.peak(self.profile)
         self._phase(None, "")
 
+    def _plan_inside_submodule(
+        self, error: TraceError, leaf_modules: tuple[str, ...], max_stages: int
+    ) -> None:
+        from autockpt.nested import SubmodulePlanner
+
+        self._phase(None, "")  # the failed capture; the nested planner times its own phases
+        self.nested = SubmodulePlanner(
+            self.model, self.inputs, error, scope=self.scope, loss_fn=self.loss_fn,
+            leaf_modules=leaf_modules, max_stages=max_stages, progress=self.progress,
+            measure_step=self._measure,
+        )
+        inner = self.nested.inner
+        for phases in (inner.phase_seconds, self.nested.phase_seconds):
+            for phase, seconds in phases.items():
+                self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+        self.meta = False
+        self.minimum_peak_bytes = self.nested.minimum_peak_bytes
+        self.no_checkpoint_peak_bytes = self.nested.no_checkpoint_peak_bytes
+        self.breakdown = self.nested.breakdown
+        self.planning_peak_bytes = inner.planning_peak_bytes
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes never set: a planner that plans inside a submodule
+        # has no graph, profile or search of the root.
+        nested = self.__dict__.get("nested")
+        if nested is None or name.startswith("__"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        raise AttributeError(
+            f"Planner.{name} is not available: the root's forward cannot be captured, so "
+            f"this planner plans inside submodule '{nested.path}'; use optimize(), "
+            "minimum_peak_bytes and no_checkpoint_peak_bytes, or planner.nested.inner for "
+            "that submodule alone"
+        )
+
     def _phase(self, name: str | None, description: str) -> None:
         """Close the running phase's clock and start ``name``'s (None: just close)."""
         now = time.perf_counter()
@@ -271,7 +363,8 @@ class Planner:
                 elif phase == "backward":
                     keys = [("b", stage_of.get(node, last))]
                 else:  # prologue, forward, loss
-                    keys = [("f", 0 if phase == "prologue" else stage_of.get(node, last))]
+                    # a prologue window of a node (a cached autocast cast) is its stage's
+                    keys = [("f", stage_of.get(node, 0 if phase == "prologue" else last))]
                 for key in keys:
                     peaks[key] = max(peaks.get(key, 0), self._scoped(nbytes, plan))
             return peaks
@@ -315,11 +408,16 @@ class Planner:
     def _stage_stash_bytes(self) -> list[int]:
         """Per stage, the bytes of the mutated buffers its nodes touch: a segment holding
         the stage snapshots them at its forward and again while it recomputes
-        (autockpt/rewrite.py, ``_BufferState``)."""
+        (autockpt/rewrite.py, ``_BufferState``). Sizes are the buffers' as the recorded step
+        leaves them: a forward may replace one (a table built on the first call)."""
         mutated = set(self.profile.mutated_buffers)
         nodes = self.capture.compute_nodes()
+        after = dict(self.trace.buffer_bytes)
         return [
-            sum(self.model.get_buffer(name).nbytes for name in _buffers_used(nodes[first:stop], mutated))
+            sum(
+                after.get(name, self.model.get_buffer(name).nbytes)
+                for name in _buffers_used(nodes[first:stop], mutated)
+            )
             for first, stop in self.chain.stages
         ]
 
@@ -348,6 +446,7 @@ class Planner:
                 budget_bytes, self.minimum_peak_bytes, self.breakdown, self.scope, hint
             ) from error
 
+    @_leaves_as_found
     def optimize(
         self,
         *,
@@ -357,9 +456,11 @@ class Planner:
         verify: bool = True,
     ) -> nn.Module:
         """Solve for ``budget_gb``, rewrite, and (``verify``) check one measured step."""
-        if not budget_gb > 0:
-            raise ValueError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
-        budget_bytes = int(budget_gb * GIB)
+        budget_bytes = int(check_budget_gb(budget_gb) * GIB)
+        if self.nested is not None:
+            return self._hand_back(self.nested.optimize(
+                budget_bytes, solver=solver, time_limit_s=time_limit_s, verify=verify
+            ))
         verify = verify and not self.meta
         underestimate = 0  # largest measured-minus-predicted peak seen so far
         checked: Measurement | None = None
@@ -372,14 +473,16 @@ class Planner:
                     raise
                 raise self._measured_infeasible(budget_bytes, underestimate) from error
             specs = _segment_specs(self.chain, self.profile, self.capture, solution)
-            result = rewrite(self.model, self.capture, specs)
+            result = self._hand_back(
+                _rewrite_for_training(self.model, self.capture, specs, self.inputs)
+            )
             if not verify:
                 break
             # The plan's own step fits by construction: measuring it is the only real step
             # planning runs (the probe already warmed every kernel up).
             self._phase("verify", "measuring the plan")
             # Memory only: one step's time is no result (benchmarks interleave rounds).
-            checked = measure(result, self.inputs, loss_fn=self.loss_fn, repeat=0, warmup=0)
+            checked = self._measure(result)
             used = self._used(checked) + self._rank_shift(solution.segments)
             if used <= budget_bytes:
                 break
@@ -430,7 +533,23 @@ class Planner:
         """The model rewritten to checkpoint the given stage ranges (no solving, no check)."""
         given = Solution(segments=[tuple(seg) for seg in segments], recompute_seconds=0.0,
                          peak_bytes=0, status="feasible", method="given", solve_seconds=0.0, gap=None)
-        return rewrite(self.model, self.capture, _segment_specs(self.chain, self.profile, self.capture, given))
+        specs = _segment_specs(self.chain, self.profile, self.capture, given)
+        return self._hand_back(_rewrite_for_training(self.model, self.capture, specs, self.inputs))
+
+    def _measure(self, result: nn.Module) -> Measurement:
+        """One real step of the plan, in the training mode it was planned in. A result under
+        ``torch.compile`` (the model came compiled) is measured compiled, after one warm-up
+        step that compiles it: the budget holds for the module handed back."""
+        compiled = self._hand_back is not _same
+        # Scalar draws at their worst case (every LayerDrop layer runs), as the profile and
+        # the recorded step planned for (autockpt/rng.py): predicted and measured agree.
+        planned = self.__dict__.get("profile")  # None while planning inside a submodule
+        draws = planned is not None and planned.worst_case_draws > 0 and not compiled
+        worst_case = worst_case_draws() if draws else contextlib.nullcontext()
+        with self.precision.entered(), _training_mode(result), worst_case:
+            return measure(
+                result, self.inputs, loss_fn=self.loss_fn, repeat=0, warmup=1 if compiled else 0
+            )
 
     def budgeted_bytes(self, measurement: Measurement) -> int:
         """The part of a measured peak that the budget covers (all of it for scope
@@ -442,7 +561,9 @@ class Planner:
             budget_bytes, max(self.minimum_peak_bytes + underestimate, budget_bytes + 1),
             self.breakdown, self.scope,
             f"Measured peaks ran up to {underestimate} bytes above the model's prediction, so "
-            "the leanest plan needs the minimum stated.",
+            "the leanest plan needs the minimum stated."
+            + (" (Measured under the model's torch.compile, which keeps other tensors than "
+               "the eager step the prediction models.)" if self._hand_back is not _same else ""),
         )
 
     def _rank_shift(self, segments: Sequence[tuple[int, int]]) -> int:
@@ -466,20 +587,32 @@ def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module
     ``torch.export`` need ``example_inputs`` (export traces with real shapes).
     """
     _check_model(model)
+    with as_found(model, () if example_inputs is None else example_inputs):
+        return _apply(model, plan, example_inputs)
+
+
+def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
+    model, hand_back = _plain_module(model)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autockpt.Plan, got {type(plan).__name__}")
-    inputs = Inputs.of(example_inputs) if example_inputs is not None else None
+    inputs = Inputs.of(example_inputs).as_called(model) if example_inputs is not None else None
+    if plan.submodule is not None:  # the root runs eagerly around a planned submodule
+        from autockpt.nested import apply_inside
+
+        return hand_back(apply_inside(model, plan, inputs))
     if plan.capture_method == "export" and inputs is None:
         raise PlanMismatchError(
             "this plan's graph was captured with torch.export, which needs example inputs: "
             "call autockpt.apply(model, plan, example_inputs)"
         )
     method = "export" if plan.capture_method == "export" else "fx"
+    _warn_if_eval(model)
     try:
-        captured = capture(
-            model, inputs or Inputs((), {}), leaf_modules=plan.leaf_modules, method=method,
-            input_names=plan.input_names,
-        )
+        with _training_mode(model):
+            captured = capture(
+                model, inputs or Inputs((), {}), leaf_modules=plan.leaf_modules, method=method,
+                input_names=plan.input_names,
+            )
     except TypeError as error:
         raise PlanMismatchError(
             f"plan was made for {plan.model} called with ({', '.join(plan.input_names)}); this "
@@ -510,7 +643,9 @@ def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module
             )
         specs.append(SegmentSpec(index[seg.first_node], index[seg.last_node] + 1,
                                  seg.preserve_rng, seg.restore_buffers))
-    result = rewrite(model, captured, specs)
+    # Calls are checked against the planned inputs (their shapes are in the plan).
+    planned = inputs if inputs is not None else planned_inputs(plan.input_signature)
+    result = hand_back(_rewrite_for_training(model, captured, specs, planned))
     result.plan = plan
     return result
 
@@ -550,6 +685,108 @@ def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_not_wrapped(model)
+
+
+# -- front-door argument checks (docs/integrations.md says what each means for a user) ------
+
+
+def check_budget_gb(budget_gb: Any) -> float:
+    """``budget_gb`` as a float, or :class:`BudgetError` (:class:`BudgetTypeError` for what is
+    not a real number). Every front door calls this first: a bad budget is refused before
+    seconds of capture and profiling, not after them."""
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, numbers.Real):
+        hint = f": pass float({budget_gb!r})" if isinstance(budget_gb, str) else ""
+        raise BudgetTypeError(
+            f"budget_gb must be a number of GiB (2**30 bytes), e.g. budget_gb=8.0; got "
+            f"{type(budget_gb).__name__} {budget_gb!r}{hint}"
+        )
+    value = float(budget_gb)
+    if not (math.isfinite(value) and value > 0 and math.isfinite(value * GIB)):
+        raise BudgetError(
+            f"budget_gb must be a positive, finite number of GiB (2**30 bytes); got "
+            f"{budget_gb!r}. Sensible budgets lie between the leanest plan's peak and the peak "
+            "without checkpointing: Planner(model, inputs).minimum_peak_bytes and "
+            ".no_checkpoint_peak_bytes, or `autockpt frontier`, show both."
+        )
+    return value
+
+
+def _plain_module(model: Any) -> tuple[nn.Module, Callable[[nn.Module], nn.Module]]:
+    """The eager module to plan, and how to hand a result back to look like ``model``.
+
+    * ``torch.compile(m)`` (an ``OptimizedModule``): plan ``m``; the result is compiled with
+      the same dynamo context (backend, mode, options: what ``torch.compile`` was given).
+    * An ``optimize`` result: re-plan the user's original module (the result's graph has
+      segment calls in it, and capturing it again would plan a plan).
+    * ``m.compile()`` (compiled in place): :class:`CompileError`; its options cannot be
+      recovered, and a rewritten module would silently run uncompiled.
+    """
+    _check_model(model)
+    hand_back: Callable[[nn.Module], nn.Module] = _same
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # nothing is compiled without it
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+        wrapper, context = type(model), model.dynamo_ctx
+        model = model._orig_mod
+
+        def hand_back(result: nn.Module) -> nn.Module:
+            return wrapper(result, context)
+
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise CompileError(
+            f"{type(model).__name__} was compiled in place with Module.compile(), whose "
+            "options autockpt cannot carry over to the rewritten module. Plan the eager "
+            "module, then compile the result: fast = autockpt.optimize(model, ...); "
+            "fast.compile(...) (or torch.compile(model) before optimize, which it keeps)"
+        )
+    if is_checkpointed(model):
+        model = plain_module(model)  # the user's class, tree and mode, without the plan
+    return model, hand_back
+
+
+def _same(result: nn.Module) -> nn.Module:
+    return result
+
+
+def _warn_if_eval(model: nn.Module) -> None:
+    if not model.training:
+        name = type(model).__name__
+        warnings.warn(
+            f"{name} is in eval mode; autockpt plans a training step, so it planned {name} "
+            "in training mode (as after .train()) and left it, and the result, in eval mode. "
+            "Call .train() on the result before training: in eval mode it runs the original "
+            "forward without checkpoints (models from from_pretrained() start in eval mode).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    """Put a model in eval mode into training mode for planning; on exit every module has
+    its mode back. A model in training mode is left alone: submodules the user keeps in
+    eval (frozen batch norm) are planned as they will run."""
+    if model.training:
+        yield
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _rewrite_for_training(
+    model: nn.Module, captured: Capture, specs: list[SegmentSpec], inputs: Inputs | None
+) -> nn.Module:
+    """``rewrite`` with the model in training mode, the mode its graph was captured in (so
+    ``result.train()`` runs the checkpointed graph); the result then takes the model's mode."""
+    training = model.training
+    with _training_mode(model):
+        result = rewrite(model, captured, specs, inputs)
+    result.training = training
+    return result
 
 
 def _rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding) -> dict[str, int]:
@@ -639,6 +876,7 @@ def _make_plan(
         f"predicted peak: replay of one recorded step's {planner.trace.source} events under "
         "this plan (solvers.replay)"
     )
+    notes.append(planner.precision.note())  # checked at each training call (precision.py)
     if prof.times_estimated:
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
     else:

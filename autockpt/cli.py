@@ -55,8 +55,8 @@ BENCHMARKS = {
             "torch.compile memory budgets and other planners"),
     "planning": ("benchmarks.planning", "planning's own resident memory and time against the "
                  "budget, the plan's peak and one eager step"),
-    "survey": ("benchmarks.survey", "stated minimum against checkpointing each repeated block "
-               "on real architectures"),
+    "survey": ("benchmarks.survey", "every Hugging Face architecture built from a config: "
+               "capture path, train = eager, measured peak within budget, prediction error"),
 }
 
 

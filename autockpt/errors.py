@@ -41,14 +41,19 @@ class TraceError(AutockptError):
     """The model's forward could not be captured as a graph by any capture path.
 
     ``module`` is the qualified name of the innermost module that failed ("" for the root),
-    ``location`` the ``file:line`` of the offending source line.
+    ``location`` the ``file:line`` of the offending source line. ``in_root_code`` is true when
+    fx failed in the root module's own code and ``torch.export`` failed too: no capture path
+    reaches inside the root's forward, so planning may fall back to one of its submodules
+    (autockpt/nested.py).
     """
 
-    def __init__(self, module: str, location: str, source_line: str, reason: str) -> None:
+    def __init__(self, module: str, location: str, source_line: str, reason: str,
+                 in_root_code: bool = False) -> None:
         self.module = module
         self.location = location
         self.source_line = source_line
         self.reason = reason
+        self.in_root_code = in_root_code
         where = f"module '{module}'" if module else "the root module"
         super().__init__(
             f"cannot capture {where} at {location}: `{source_line}` ({reason}). "
@@ -78,3 +83,32 @@ class ShardingError(AutockptError, ValueError):
     """Distributed arguments that cannot work: an already wrapped model (DDP / FSDP), FSDP
     units that do not exist or are not module calls, ``world_size < 1``, an unknown
     ``sharding``. Also a ``ValueError``, since every case is a bad argument."""
+
+
+class BudgetError(AutockptError, ValueError):
+    """A budget that is not a positive, finite number of GiB (zero, negative, NaN, infinite).
+    Raised by every front door before any capture or profiling, so a typo costs nothing.
+    Also a ``ValueError``, since it is a bad argument."""
+
+
+class BudgetTypeError(BudgetError, TypeError):
+    """A budget that is not a number at all (a string such as ``"8"``, a bool, a tensor).
+    Also a ``TypeError``; catch :class:`BudgetError` for every bad budget."""
+
+
+class CompileError(AutockptError, TypeError):
+    """A ``torch.compile``'d model in a form that planning cannot see through (compiled in
+    place with ``Module.compile()``). Plan the eager module first, then compile the result:
+    ``torch.compile(autockpt.optimize(model, ...))``."""
+
+
+class UncoveredCallWarning(UserWarning):
+    """A training call with autograd on that the plan does not cover: other arguments than
+    planned (it runs the original forward, un-checkpointed), or larger tensors with
+    ``on_larger_input="warn"`` (the graph runs, but the budget may not hold)."""
+
+
+class PrecisionWarning(UserWarning):
+    """A training call of an optimized model under another precision than planned (another
+    autocast state or other parameter dtypes): it runs, but the plan's memory prediction and
+    budget no longer describe it."""

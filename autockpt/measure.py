@@ -12,7 +12,8 @@ parameter gradients, saved and recomputed activations, transient workspaces.
   kernel workspaces and autograd's own buffers, which a model of the graph cannot.
 
 Step time is the median of ``repeat`` un-instrumented steps (``repeat=0``: memory only, step
-time 0). The model's state (buffers, ``.grad``, RNG) is restored afterwards.
+time 0). The model, the inputs and the global random generators are left as found
+(:func:`autockpt.runtime.as_found`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from autockpt.allocations import (  # noqa: E402
     peak_above_start,
     profiler_session,
 )
+from autockpt.precision import fresh_autocast_cache  # noqa: E402
 from autockpt.runtime import (  # noqa: E402
     LossFn,
+    as_found,
     clear_grads,
     default_loss,
     device_of,
     now,
-    preserved_training_state,
 )
 from autockpt.trace import Inputs  # noqa: E402
 
@@ -71,12 +73,16 @@ def measure(
     repeat: int = 5,
     warmup: int = 1,
 ) -> Measurement:
-    """Measure peak memory and step time of ``loss_fn(model(*inputs)).backward()``."""
+    """Measure peak memory and step time of ``loss_fn(model(*inputs)).backward()``.
+
+    Called inside ``torch.autocast``, every step runs under it as in a fresh context per
+    step: autocast's weight casts are made and counted in the step (the cache is emptied
+    before and after each)."""
     inputs = Inputs.of(example_inputs)
     loss_fn = loss_fn or default_loss
     device = device_of(model, inputs)
     static = static_bytes(model, inputs)
-    with preserved_training_state(model):
+    with as_found(model, inputs), fresh_autocast_cache():
         clear_grads(model)
         for _ in range(max(0, warmup)):
             _step(model, inputs, loss_fn)
@@ -112,8 +118,11 @@ def static_bytes(model: nn.Module, inputs: Inputs) -> int:
 
 
 def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn) -> None:
-    loss = loss_fn(model(*inputs.args, **inputs.kwargs))
-    loss.backward()
+    # Under autocast, each step as in a fresh context: its weight casts are made in it and
+    # freed after it (autockpt/precision.py), not left cached from the step before.
+    with fresh_autocast_cache():
+        loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+        loss.backward()
 
 
 def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) -> int:

@@ -144,6 +144,9 @@ class Plan:
     fsdp_units: tuple[str, ...] = ()
     rank_memory: RankMemory | None = None
     timeline: MemoryTimeline | None = None
+    submodule: str | None = None
+    """Qualified name of the submodule the graph fields describe, when the root's own forward
+    could not be captured and runs eagerly around it (autockpt/nested.py); None: the root."""
     autockpt_version: str = field(default_factory=lambda: _library_version())
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION
@@ -214,7 +217,8 @@ class Plan:
         """A few human lines: budget, prediction, segments."""
         lines = [
             f"plan for {self.model} ({self.num_nodes} nodes in {len(self.stages)} stages, "
-            f"captured with {self.capture_method})",
+            f"captured with {self.capture_method})"
+            + (f", inside submodule '{self.submodule}'" if self.submodule else ""),
             f"budget {format_bytes(self.budget_bytes)} (scope={self.scope}); predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)}; without checkpointing "
             f"{format_bytes(self.no_checkpoint_peak_bytes)}; leanest plan "
@@ -311,6 +315,10 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         return value
     if name == "timeline":
         return None if value is None else _build(MemoryTimeline, value)
+    if name == "submodule":
+        if value is not None and not (isinstance(value, str) and value):
+            raise TypeError(f"submodule must be a non-empty string or null, got {value!r}")
+        return value
     if kind.startswith("tuple[int"):
         return tuple(_int(name, item, optional=False) for item in _list(name, value))
     if kind.startswith("tuple[float"):

@@ -13,10 +13,12 @@ Per compute node the profile records
   (``torch.utils.flop_counter``) and whether it consumes random numbers (RNG state changes);
 * the parameter-gradient bytes that appear when backward reaches the node.
 
-Model buffers that the forward changes (batch-norm running statistics, counters) are found
-by comparing values before and after one forward: kernels update running statistics without
-bumping version counters, so values are the only reliable witness. The model's state
-(buffers, ``.grad``, RNG) is restored afterwards: profiling leaves no trace in training.
+Model buffers that the forward changes (batch-norm running statistics, counters, a table
+built on the first call) are those an operator writes during the fake step (by schema:
+kernels update running statistics without bumping version counters) and those whose slot
+the forward fills with a new tensor. The model, the caller's inputs and the global random
+generators are left as found (:func:`autockpt.runtime.as_found`): profiling leaves no trace
+in training.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ from autockpt.allocations import (
     profiler_session,
     static_tensor_bytes,
 )
-from autockpt.runtime import (
+from autockpt.precision import AutocastCasts, empty_autocast_cache, fresh_autocast_cache
+from autockpt.rng import worst_case_draws
+from autockpt.runtime import (  # noqa: F401 - preserved_training_state is re-exported
     LossFn,
+    as_found,
     default_loss,
     device_of,
     fake_step,
@@ -109,6 +114,10 @@ class Profile:
     times_estimated: bool = False
     loss_workspace: int = 0
     probe_peak_bytes: int | None = None
+    worst_case_draws: int = 0
+    """Scalar draws the fake step answered with their worst case (a random-depth model,
+    autockpt/rng.py); when any, the probe and the verifying measurement run under the same
+    rule, so that all of them size the same step."""
 
     @property
     def static_bytes(self) -> int:
@@ -138,12 +147,19 @@ def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> li
         return list(tree_flatten_spec((list(inputs.args), inputs.kwargs), spec))
     import inspect
 
-    bound = inspect.signature(model.forward).bind(*inputs.args, **inputs.kwargs)
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*inputs.args, **inputs.kwargs)
+    # a keyword the forward takes through ``**kwargs`` is its own placeholder when fx traces
+    # the call as the user makes it (trace.py, _CallShape)
+    catch_all = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+    extra = bound.arguments.get(catch_all[0], {}) if catch_all else {}
     values = []
     for node in placeholders:
         name = str(node.target)
         if name in bound.arguments:
             values.append(bound.arguments[name])
+        elif name in extra:
+            values.append(extra[name])
         elif name.startswith("*"):  # fx's placeholder for ``*args`` / ``**kwargs``
             empty: Any = {} if name.startswith("**") else ()
             values.append(bound.arguments.get(name.lstrip("*"), empty))
@@ -192,12 +208,13 @@ def profile(
     _, param_bytes, buffer_bytes, input_bytes = _static_storages(model, inputs)
     grad_bytes_by_node, param_grad_bytes = _param_grad_attribution(model, capture, index_of)
 
-    with preserved_training_state(model):
+    # The probe runs real nodes: a forward that updates its input in place writes the
+    # caller's tensor, and dropout draws from the global generator; all is put back.
+    with as_found(model, inputs):
         with fake_step(model, inputs) as fake_inputs:
             static_keys = _static_storages(model, fake_inputs)[0]
-            buffer_names = {
-                _storage_key(b): name for name, b in model.named_buffers(remove_duplicate=False)
-            }
+            held = dict(model.named_buffers(remove_duplicate=False))
+            buffer_names = {_storage_key(b): name for name, b in held.items()}
             structure = _Recorder(model, capture, index_of, static_keys)
             output = run_graph(capture, model, fake_inputs, structure)
             loss = loss_fn(output)
@@ -205,13 +222,19 @@ def profile(
             del output
             loss.backward()  # on fake tensors: the layouts of the gradients nodes receive
             del loss
-            mutated = tuple(
-                sorted({name for key, name in buffer_names.items() if key in structure.written})
-            )
+            written = {name for key, name in buffer_names.items() if key in structure.written}
+            # A buffer the forward replaces (``self.table = ...``) changes like one written
+            # in place: a recompute must see the object and values the forward saw.
+            now_held = dict(model.named_buffers(remove_duplicate=False))
+            replaced = {name for name, b in held.items() if now_held.get(name) is not b}
+            mutated = tuple(sorted(written | replaced))
         probe = (
             None
             if estimate_times
-            else _probe(model, capture, inputs, loss_fn, index_of, structure, max(1, repeat))
+            else _worst_case_probe(
+                structure.worst_case_draws > 0,
+                model, capture, inputs, loss_fn, index_of, structure, max(1, repeat),
+            )
         )
     costs = [
         estimated_seconds(structure.flops[i], structure.traffic[i], device.type)
@@ -258,6 +281,7 @@ def profile(
         times_estimated=estimate_times,
         loss_workspace=probe.loss_workspace if probe else 0,
         probe_peak_bytes=probe.peak_bytes if probe else None,
+        worst_case_draws=structure.worst_case_draws,
     )
 
 
@@ -340,6 +364,7 @@ class _Recorder(CaptureInterpreter):
         self.storage_bytes: list[int] = []
         self.storage_index: dict[tuple[str, int], int] = {}
         self.final_output_bytes = 0
+        self.worst_case_draws = 0
 
     def _storage_id(self, tensor: torch.Tensor) -> int | None:
         storage = tensor.untyped_storage()
@@ -374,7 +399,8 @@ class _Recorder(CaptureInterpreter):
         watch = _OpWatch()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with FlopCounterMode(display=False) as counter, watch:
+                # a scalar draw (LayerDrop) is answered by its worst case (autockpt/rng.py)
+                with FlopCounterMode(display=False) as counter, watch, worst_case_draws() as drawn:
                     result = super().run_node(n)
         except (DynamicOutputShapeException, DataDependentOutputException) as error:
             raise _data_dependent(n, error) from error
@@ -386,7 +412,10 @@ class _Recorder(CaptureInterpreter):
         written |= {_storage_key(t) for t, v in versions if t._version != v}
         self.written |= written
         self.flops[i] = int(counter.get_total_flops())
-        self.random[i] = watch.seeded
+        # a node whose scalar draw was answered drew nothing here, but draws when it runs:
+        # its segment must preserve the RNG state like one with dropout
+        self.random[i] = watch.seeded or drawn.draws > 0
+        self.worst_case_draws += drawn.draws
         self.traffic[i] = sum(t.nbytes for t in args) + sum(t.nbytes for t in outputs)
         self.needs_grad[i] = tuple(t.requires_grad for t in args)
         self.in_place[i] = bool(written)
@@ -397,7 +426,9 @@ class _Recorder(CaptureInterpreter):
         )
         return result
 
-    def _grad_layout(self, i: int, k: int, grad: torch.Tensor) -> None:
+    def _grad_layout(self, i: int, k: int, grad: torch.Tensor | None) -> None:
+        if grad is None:  # an output backward reaches without a gradient (CvT)
+            return
         self.grad_layouts[i].setdefault(k, (tuple(grad.shape), tuple(grad.stride())))
 
 
@@ -555,9 +586,10 @@ class _Prober(CaptureInterpreter):
         tracker = self.tracker
         if tracker is not None:
             tracker.static_ids = {id(t.untyped_storage()) for t in existing}
+        empty_autocast_cache()  # under autocast: this node's weight casts are made in it
         with torch.enable_grad():
             start = now(self.device)
-            with self._window(f"f{label}"):
+            with self._window(f"f{label}"), AutocastCasts() as casts:
                 out = call(args, kwargs)
             forward = now(self.device) - start
             outs, grads = [], []
@@ -565,7 +597,7 @@ class _Prober(CaptureInterpreter):
                 if t.requires_grad and t.grad_fn is not None:
                     outs.append(t)
                     grads.append(_gradient_like(t, (grad_layouts or {}).get(k)))
-            targets = leaves + parameters
+            targets = casts.instead_of(leaves + parameters)  # under autocast: their casts
             backward = 0.0
             if outs and targets:
                 if tracker is not None:
@@ -587,6 +619,16 @@ class _Prober(CaptureInterpreter):
         self.tracker.window = None
 
 
+def _worst_case_probe(draws: bool, *args: Any) -> _ProbeResult:
+    """The probe, with scalar draws at their worst case when the fake step met any (a
+    random-depth model runs every layer: autockpt/rng.py)."""
+    with worst_case_draws() if draws else contextlib.nullcontext():
+        return _probe(*args)
+
+
+# Under autocast the probe leaves none of the weight casts it makes in autocast's cache
+# (autockpt/precision.py).
+@fresh_autocast_cache()
 def _probe(
     model: nn.Module,
     capture: Capture,

@@ -1,38 +1,63 @@
-"""Stage 6 — rewrite: a new module whose forward calls ``torch.utils.checkpoint`` per segment.
+"""Stage 6 — rewrite: the user's model back, with a forward that checkpoints per segment.
 
 Rules the result keeps (and why):
 
-* It *is* the user's module tree: the result's parameters, buffers and submodules are the
-  original objects, registered under the same names in the same order. ``state_dict()``
-  keys and ``parameters()`` order are unchanged, so optimizers, saved checkpoints and
-  FSDP/DDP wrapping keep working, and ``.to()`` moves the one copy of every tensor.
-* Each checkpointed segment becomes a parameter-free submodule ``_autockpt_segment_<k>``
-  whose code resolves attributes against the live root module at call time (never against
-  copies), called through ``checkpoint(..., use_reentrant=False)``.
+* It is an instance of the user's own class (a generated subclass, like FSDP2's
+  ``fully_shard``): a shallow copy of the user's module sharing its parameters, buffers,
+  children and attributes, with registries of its own, so the user's model is left as
+  found. ``state_dict()`` keys and ``parameters()`` order are unchanged, so optimizers,
+  saved checkpoints and FSDP/DDP wrapping keep working, ``.to()`` moves the one copy of
+  every tensor, and the class's own methods (``save_pretrained``, ``generate``) are there.
+* Its ``forward`` has the original's signature. Calls the plan covers (training mode,
+  autograd on, the planned arguments, tensors no larger than planned) run the captured
+  graph; every other call runs the original forward on the same tree (see :func:`_forward`).
+* Each checkpointed segment is a parameter-free ``CheckpointSegment`` held as a plain
+  attribute ``_autockpt_segment_<k>`` (not a registered child: ``named_modules()`` stays the
+  user's) whose code resolves attributes against the live root module at call time (never
+  against copies), called through ``checkpoint(..., use_reentrant=False)``.
+* It pickles as the plain model plus its plan and is rebuilt on load by re-applying the
+  plan; ``copy.deepcopy`` copies the tree and re-binds the segments to the copy.
 * RNG state is preserved only for segments with random ops (dropout), so recomputed masks
-  equal the forward's and outputs and gradients equal eager's.
-* Buffers that the forward mutates (batch-norm running statistics, counters) are
-  snapshotted when a segment runs forward; its recompute runs on those values and restores
-  the current ones afterwards, so they advance once per step and read as in the forward.
+  equal the forward's and outputs and gradients equal eager's. A segment that runs the
+  user's own Python (a leaf module) also replays Python's and NumPy's generators when its
+  forward drew from them (``_PythonRng``): checkpoint preserves torch's only.
+* Buffers that the forward mutates or replaces (batch-norm running statistics, counters,
+  a table built on the first call) are snapshotted (object and values) when a segment runs
+  forward; its recompute runs on those and puts the current ones back afterwards, so they
+  advance once per step and read as in the forward.
 * Without autograd (``torch.no_grad()``), segments run plainly: there is nothing to save.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import copy
+import dataclasses
 import functools
+import inspect
 import operator
+import re
 import types
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autockpt.trace import INPUT_CHECK, Capture
+from autockpt.errors import PlanMismatchError, UncoveredCallWarning
+from autockpt.precision import check_call as check_precision
+from autockpt.rng import PythonRngStates
+from autockpt.runtime import put_back
+from autockpt.trace import INPUT_CHECK, Capture, Inputs, without_defaults
+from autockpt.tree import ModuleTree, check_tree
+
+if TYPE_CHECKING:
+    from autockpt.plan import Plan
 
 SEGMENT_PREFIX = "_autockpt_segment_"
 
@@ -46,6 +71,10 @@ class SegmentSpec:
     end: int
     preserve_rng: bool
     restore_buffers: tuple[str, ...] = ()
+    python_rng: bool = False
+    """Whether the segment runs the user's own Python code (a leaf module), which may draw
+    from Python's ``random`` or NumPy: those generators are then replayed at recompute too
+    (:func:`_contexts`). Set by :func:`rewrite` from the graph."""
 
 
 class CheckpointSegment(nn.Module):
@@ -79,54 +108,146 @@ class CheckpointSegment(nn.Module):
         run = functools.partial(self._fn, root)
         if not torch.is_grad_enabled():
             return run(*args)
+        options: dict[str, Any] = {}
+        if (self.spec.restore_buffers or self.spec.python_rng) and not torch.compiler.is_compiling():
+            options["context_fn"] = functools.partial(
+                _contexts, root, self.spec.restore_buffers, self.spec.python_rng
+            )
         return checkpoint(
             run,
             *args,
             use_reentrant=False,
             preserve_rng_state=self.spec.preserve_rng,
-            context_fn=functools.partial(_contexts, root, self.spec.restore_buffers),
+            **options,
         )
 
 
-def _contexts(root: nn.Module, buffer_names: tuple[str, ...]) -> tuple[Any, Any]:
-    if not buffer_names:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    state = _BufferState(root, buffer_names)
-    return state.forward_context(), state.recompute_context()
+def _contexts(
+    root: nn.Module, buffer_names: tuple[str, ...], python_rng: bool = False
+) -> tuple[Any, Any]:
+    """The pair of contexts (forward, recompute) that restores a segment's mutated buffers
+    and, with ``python_rng``, replays Python's and NumPy's generators (:class:`_PythonRng`).
+
+    Eager only. Under ``torch.compile`` a segment passes no ``context_fn`` (compile accepts
+    only ``TorchDispatchMode`` pairs there), and needs none: AOTAutograd functionalizes the
+    step, so a buffer's in-place update becomes one copy-back at the end of the compiled
+    forward, and the recompute in the compiled backward is pure (it replays the forward's
+    values and mutates nothing). Segments without such buffers pass none either way.
+    """
+    pairs = []
+    if buffer_names:
+        state = _BufferState(root, buffer_names)
+        pairs.append((state.forward_context(), state.recompute_context()))
+    if python_rng:
+        replay = _PythonRng()
+        pairs.append((replay.forward_context(), replay.recompute_context()))
+    if len(pairs) == 1:
+        return pairs[0]
+    return _together([f for f, _ in pairs]), _together([r for _, r in pairs])
 
 
-class _BufferState:
-    """The forward remembers the buffers as it found them; the recompute runs on exactly
-    those values (a buffer read and then updated in place later in the step would otherwise
-    be seen updated) and leaves the buffers as it found them (so running statistics advance
-    once per step)."""
+@contextlib.contextmanager
+def _together(contexts: list[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
-    def __init__(self, root: nn.Module, names: tuple[str, ...]) -> None:
-        self.buffers = [root.get_buffer(name) for name in names]
-        self.at_forward: list[torch.Tensor] = []
+
+class _PythonRng:
+    """Checkpoint's ``preserve_rng_state`` covers torch's generators only. A leaf module
+    that draws from Python's ``random`` or NumPy (``if random.random() < p``) would draw
+    other numbers when recomputed, take another path and leave those generators advanced
+    twice. The forward notes their states around the segment; when it drew, the recompute
+    runs from the states the forward started from and puts back the ones it found, so the
+    recompute repeats the forward's draws and consumes none."""
+
+    def __init__(self) -> None:
+        self.at_forward: PythonRngStates | None = None
+        self.drew = False
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        self.at_forward = [b.detach().clone() for b in self.buffers]
+        self.at_forward = PythonRngStates.now()
+        yield
+        self.drew = bool(self.at_forward.changed())
+
+    @contextlib.contextmanager
+    def recompute_context(self) -> Iterator[None]:
+        if not self.drew or self.at_forward is None:
+            yield
+            return
+        current = PythonRngStates.now()
+        self.at_forward.restore()
+        try:
+            yield
+        finally:
+            current.restore()
+
+
+class _BufferState:
+    """The forward remembers each buffer as it found it: the tensor object in its module's
+    slot and a copy of its values. The recompute runs with exactly those in place (a buffer
+    updated in place later in the step, or replaced by a new tensor, would otherwise be seen
+    changed) and then puts back whatever it found (so running statistics and counters
+    advance once per step). Slots are looked up by (module, name) at each entry and restored
+    by reassignment: a forward may replace a buffer (timm's ConViT builds its table on the
+    first call), and copying remembered values into the replacement would overwrite it."""
+
+    def __init__(self, root: nn.Module, names: tuple[str, ...]) -> None:
+        self.root = root
+        self.names = names
+        self.at_forward: list[tuple[nn.Module, str, Any, torch.Tensor | None]] = []
+
+    def _take(self) -> list[tuple[nn.Module, str, Any, torch.Tensor | None]]:
+        found = []
+        for name in self.names:
+            path, _, attr = name.rpartition(".")
+            module = self.root.get_submodule(path)
+            held = module._buffers.get(attr, _ABSENT)
+            values = held.detach().clone() if isinstance(held, torch.Tensor) else None
+            found.append((module, attr, held, values))
+        return found
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        self.at_forward = self._take()
         yield
 
     @contextlib.contextmanager
     def recompute_context(self) -> Iterator[None]:
-        current = [b.detach().clone() for b in self.buffers]
-        self._load(self.at_forward)
+        current = self._take()
+        _put(self.at_forward)
         try:
             yield
         finally:
-            self._load(current)
-
-    def _load(self, values: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for buffer, value in zip(self.buffers, values, strict=True):
-                buffer.copy_(value)
+            _put(current)
 
 
-def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec]) -> fx.GraphModule:
-    """Build the checkpointed module for ``segments`` (sorted, disjoint node ranges)."""
+_ABSENT = object()
+
+
+def _put(found: list[tuple[nn.Module, str, Any, torch.Tensor | None]]) -> None:
+    for module, attr, held, values in found:
+        if held is _ABSENT:
+            module._buffers.pop(attr, None)
+            continue
+        module._buffers[attr] = held
+        if values is not None:
+            put_back(held, values, if_changed=False)
+
+
+def rewrite(
+    model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec],
+    inputs: Inputs | None = None,
+) -> nn.Module:
+    """The user's model back, checkpointing ``segments`` (sorted, disjoint node ranges).
+
+    ``inputs`` are the example inputs the plan was made for: training calls that give
+    other arguments run the original forward (with a warning), and larger tensors are
+    refused (``on_larger_input``). Without them every training call with autograd runs
+    the graph.
+    """
     nodes = capture.compute_nodes()
     _validate(segments, len(nodes))
     starts = {spec.first: spec for spec in segments}
@@ -171,64 +292,32 @@ def rewrite(model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec])
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module") and node.target not in targets:
             targets[node.target] = lookup(node.target)
-    result = fx.GraphModule(targets, graph, class_name=f"{type(model).__name__}Checkpointed")
-    _adopt_tree(result, model, modules)
-    _attach_constants(result, capture, lookup)
+    code = _code(targets, graph)
+
+    result = _shallow_copy(model)
+    added = list(modules)
+    for name, segment in modules.items():
+        object.__setattr__(result, name, segment)  # not a registered child: see the docstring
+        segment.bind(result)
+    added += _attach_constants(result, capture, lookup)
+    # What the generated code reads from ``self`` besides the tree (export's pytree specs).
     for name, value in capture.extra_attributes.items():
-        setattr(result, name, value)
-    # Kept through copy.deepcopy (GraphModule re-applies these after copying).
-    preserved = result.meta.setdefault("_user_preserved_attributes", {})
-    preserved["_autockpt_original"] = _OriginalRef(model, model.training)
-    preserved["forward"] = types.MethodType(_forward_in_any_mode, result)
-    if INPUT_CHECK in capture.extra_attributes:
-        preserved[INPUT_CHECK] = capture.extra_attributes[INPUT_CHECK]
-    for name, value in preserved.items():
         object.__setattr__(result, name, value)
-    result._deepcopy_hooks = [_readopt_after_deepcopy]
+        added.append(name)
+    signature = _forward_signature(type(model))
+    planned = _call_shape(signature, inputs.args, inputs.kwargs) if inputs is not None else None
+    vars(result)[_STATE] = _Checkpointing(
+        code=code,
+        captured_training=model.training,
+        shape_generic=capture.shape_generic,
+        signature=signature,
+        planned=planned,
+        input_check=capture.extra_attributes.get(INPUT_CHECK),
+        attributes=tuple(added),
+        tree=ModuleTree.of(model),
+        exported=capture.method == "export",
+    )
     return result
-
-
-class _OriginalRef:
-    """The user's module, held without registering it (it must not become a child), and the
-    training mode the graph was captured in."""
-
-    def __init__(self, module: nn.Module, captured_training: bool) -> None:
-        self.module = module
-        self.captured_training = captured_training
-
-
-def _forward_in_any_mode(self: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
-    """Run the checkpointed graph in the mode it was captured in; in the other mode (e.g.
-    ``.eval()`` after capturing in training mode) run the original forward on the same
-    tree, since capture baked mode-dependent branches (``training=self.training``) in."""
-    original: _OriginalRef = self._autockpt_original
-    if self.training == original.captured_training:
-        check_inputs = getattr(self, INPUT_CHECK, None)
-        if check_inputs is not None:
-            check_inputs(args, kwargs)
-        return type(self).forward(self, *args, **kwargs)
-    original.module.training = self.training
-    # An engine wrapping the result (fully_shard) replaces the tensors the root holds
-    # directly, on the result only; the original must run on the current ones.
-    original.module._parameters.update(self._parameters)
-    original.module._buffers.update(self._buffers)
-    return original.module(*args, **kwargs)
-
-
-def _adopt_tree(result: fx.GraphModule, model: nn.Module, segments: dict[str, nn.Module]) -> None:
-    _mirror_tree(result, model)
-    for name, module in segments.items():
-        result._modules[name] = module
-        module.bind(result)
-
-
-def _readopt_after_deepcopy(copied: fx.GraphModule) -> None:
-    """GraphModule's deepcopy keeps only modules its graph names; re-adopt the whole copied
-    tree so the copy, like the original, has every parameter and buffer of the model."""
-    segments = {
-        name: module for name, module in copied._modules.items() if isinstance(module, CheckpointSegment)
-    }
-    _adopt_tree(copied, copied._autockpt_original.module, segments)
 
 
 def _emit_segment(
@@ -259,11 +348,29 @@ def _emit_segment(
         sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
     sub.output(tuple(sub_env[node] for node in outputs))
     fn = _compile(lookup, sub)
+    if any(_runs_user_python(node, lookup) for node in inside):
+        spec = dataclasses.replace(spec, python_rng=True)
 
     call = graph.call_module(name, tuple(env[node] for node in inputs))
     for k, node in enumerate(outputs):
         env[node] = graph.create_node("call_function", operator.getitem, (call, k), name=node.name)
     return CheckpointSegment(fn, spec, inside[0].name, inside[-1].name)
+
+
+_LIBRARY_CODE = frozenset({"torch", "operator", "_operator", "builtins", "math", "autockpt"})
+
+
+def _runs_user_python(node: fx.Node, lookup: Callable[[str], Any]) -> bool:
+    """Whether running ``node`` runs Python code of the user's (a leaf module that is not
+    one of torch's, a function fx kept as a call): code that may draw from Python's
+    ``random`` or NumPy. Torch's operators and modules draw from torch's generators only."""
+    if node.op == "call_module":
+        owner = type(lookup(str(node.target))).__module__
+    elif node.op == "call_function":
+        owner = getattr(node.target, "__module__", None) or ""
+    else:
+        return False
+    return owner.split(".")[0] not in _LIBRARY_CODE
 
 
 def _compile(lookup: Callable[[str], Any], graph: fx.Graph) -> Callable[..., Any]:
@@ -276,8 +383,13 @@ def _compile(lookup: Callable[[str], Any], graph: fx.Graph) -> Callable[..., Any
         node.target: lookup(node.target)
         for node in graph.nodes if node.op in ("get_attr", "call_module")
     }
-    holder = fx.GraphModule(targets, graph)
-    return type(holder).forward
+    return _code(targets, graph)
+
+
+def _code(targets: dict[str, Any], graph: fx.Graph) -> Callable[..., Any]:
+    """fx's generated ``forward(self, ...)`` for ``graph``, as a plain function: the holder
+    module is thrown away and ``self`` is whatever module the caller passes."""
+    return type(fx.GraphModule(targets, graph)).forward
 
 
 def _resolve(model: nn.Module, target: str) -> Any:
@@ -287,9 +399,13 @@ def _resolve(model: nn.Module, target: str) -> Any:
     return obj
 
 
-def _attach_constants(result: nn.Module, capture: Capture, lookup: Callable[[str], Any]) -> None:
+def _attach_constants(
+    result: nn.Module, capture: Capture, lookup: Callable[[str], Any]
+) -> list[str]:
     """Attributes the graph reads that are not in the user's tree (tensor constants made by
-    capture) are attached to the result at the same path, as plain attributes."""
+    capture) are attached to the result at the same path, as plain attributes. Returns the
+    names attached to the root itself (not part of the user's model: pickling drops them)."""
+    attached = []
     for node in capture.graph.nodes:
         if node.op != "get_attr":
             continue
@@ -299,25 +415,9 @@ def _attach_constants(result: nn.Module, capture: Capture, lookup: Callable[[str
             owner_path, _, name = node.target.rpartition(".")
             owner = _resolve(result, owner_path) if owner_path else result
             object.__setattr__(owner, name, lookup(node.target))
-
-
-def _mirror_tree(result: nn.Module, model: nn.Module) -> None:
-    """Make ``result`` hold ``model``'s own parameters, buffers and children, same order."""
-    result._parameters.clear()
-    result._buffers.clear()
-    result._modules.clear()
-    result._non_persistent_buffers_set.clear()
-    result._parameters.update(model._parameters)
-    result._buffers.update(model._buffers)
-    result._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
-    result._modules.update(model._modules)
-    result.training = model.training
-    for name, value in vars(model).items():
-        if name.startswith("_") or name == "training" or name in vars(result):
-            continue
-        if isinstance(value, (nn.Module, torch.Tensor)):
-            continue
-        setattr(result, name, value)
+            if not owner_path:
+                attached.append(name)
+    return attached
 
 
 def _validate(segments: Sequence[SegmentSpec], num_nodes: int) -> None:
@@ -329,3 +429,394 @@ def _validate(segments: Sequence[SegmentSpec], num_nodes: int) -> None:
                 f"got {[(s.first, s.end) for s in segments]}"
             )
         previous_end = spec.end
+
+
+# ---------------------------------------------------------------------------------------------
+# the model the user gets back
+
+_STATE = "_autockpt"
+"""Instance attribute holding a result's :class:`_Checkpointing` (its plan, graph code and
+checks); its presence is what makes a module a checkpointed result."""
+
+ON_LARGER_INPUT = ("error", "warn")
+"""What a result does with a training call whose tensors are larger than planned."""
+
+# nn.Module's own registries and hook tables: a shallow copy gets its own, so that adding a
+# parameter, a child or a hook to the result leaves the user's module as it was.
+_REGISTRIES = tuple(
+    name for name, value in vars(nn.Module()).items() if isinstance(value, (dict, set))
+)
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """How the forward is called: the parameters a call gives (positional ones by their
+    names, ``**kwargs`` entries by key, sorted) and, for each, the shape and dtype of every
+    tensor in it."""
+
+    names: tuple[str, ...]
+    tensors: tuple[tuple[tuple[tuple[int, ...], torch.dtype], ...], ...]
+
+    def describe(self) -> str:
+        return ", ".join(
+            name + "".join(
+                f" {list(shape)}:{str(dtype).removeprefix('torch.')}" for shape, dtype in tensors
+            )
+            for name, tensors in zip(self.names, self.tensors, strict=True)
+        )
+
+
+@dataclass(eq=False)
+class _Checkpointing:
+    """What a result knows beyond the user's module: the graph's code and when to run it."""
+
+    code: Callable[..., Any]
+    captured_training: bool
+    # fx graphs are; export graphs are where export kept sizes dynamic (Capture.shape_generic)
+    shape_generic: bool
+    signature: inspect.Signature | None
+    planned: CallShape | None
+    input_check: Callable[[tuple, dict], None] | None
+    attributes: tuple[str, ...]  # instance attributes the result adds to the user's module
+    plan: Plan | None = None
+    on_larger_input: str = "error"
+    warned: set[Any] = dataclasses.field(default_factory=set)
+    tree: ModuleTree | None = None  # the modules the graph was captured from (tree.py)
+    exported: bool = False  # a torch.export graph: specialised to the planned precision
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Checkpointing:
+        # Code, signature, checks and plan are immutable; only what was warned about is
+        # the copy's own.
+        return dataclasses.replace(self, warned=set(self.warned))
+
+    def warn_once(self, key: Any, message: str, stacklevel: int) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, UncoveredCallWarning, stacklevel=stacklevel + 1)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` is a model returned by ``optimize``/``apply``/``rewrite``."""
+    return _STATE in vars(module)
+
+
+def plain_module(module: nn.Module) -> nn.Module:
+    """The model a result was made from, as a plain instance of the user's class sharing
+    everything with the result (tree, registries, attributes, mode) but what checkpointing
+    added; ``module`` itself when it is not a result. What is pickled, and what planning
+    again starts from (capturing the result would plan a plan)."""
+    state: _Checkpointing | None = vars(module).get(_STATE)
+    if state is None:
+        return module
+    plain = object.__new__(type(module)._autockpt_base)
+    skip = {_STATE, *state.attributes}
+    vars(plain).update({k: v for k, v in vars(module).items() if k not in skip})
+    return plain
+
+
+def segments_of(module: nn.Module) -> dict[str, CheckpointSegment]:
+    """The checkpoint segments of a result, by attribute name, in graph order (they are
+    plain attributes, not registered children, so ``named_modules()`` does not list them)."""
+    return {
+        name: value for name, value in vars(module).items() if isinstance(value, CheckpointSegment)
+    }
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _checkpointed_class(base: type) -> type:
+    """The subclass of ``base`` that results of ``base`` models are instances of (one per
+    class, like FSDP2's ``FSDP<Name>``). It keeps ``base``'s name, module and qualified
+    name: libraries record the class name (Hugging Face writes it to ``config.architectures``
+    on ``save_pretrained`` and its Trainer's label smoothing picks the causal-LM loss by
+    ``_get_name()``), and a renamed class would be saved, or trained, as another model."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = types.new_class(base.__name__, (base,), exec_body=functools.partial(_class_body, base))
+        _CLASSES[base] = cls
+    return cls
+
+
+def _class_body(base: type, namespace: dict[str, Any]) -> None:
+    @functools.wraps(base.forward)  # the original signature, for inspect.signature and HF
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _forward(self, base, args, kwargs)
+
+    namespace.update(
+        __module__=base.__module__,
+        __qualname__=base.__qualname__,
+        __doc__=base.__doc__,
+        forward=forward,
+        plan=property(_get_plan, _set_plan, doc="The :class:`~autockpt.Plan` applied."),
+        on_larger_input=property(_get_on_larger_input, _set_on_larger_input, doc=(
+            'What a training call with tensors larger than planned does: "error" (default) '
+            'raises PlanMismatchError, "warn" warns once per shape and runs the graph.'
+        )),
+        __reduce_ex__=_reduce_ex,
+        __deepcopy__=_deepcopy,
+        __copy__=_copy,
+        _autockpt_base=base,
+    )
+
+
+def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
+    """Run the checkpointed graph for the calls the plan covers, the original forward for
+    every other one, on the same tree.
+
+    The graph is used only in the mode it was captured in (capture baked mode-dependent
+    branches in, ``training=self.training``) and only with autograd on (without it there is
+    nothing to save, and eager's forward is exact). A training call that gives other
+    arguments than planned (no ``labels``, an extra ``attention_mask``, the
+    ``num_items_in_batch`` a Trainer adds) cannot run a graph traced without them: it runs
+    the original forward, and says so once per argument set, since it then is neither
+    checkpointed nor within the budget. Larger tensors than planned run an fx graph
+    correctly but not within the budget: ``on_larger_input`` decides (error by default).
+    """
+    state: _Checkpointing | None = vars(self).get(_STATE)
+    if (
+        state is None
+        or self.training != state.captured_training
+        or not torch.is_grad_enabled()
+    ):
+        return base.forward(self, *args, **kwargs)
+    # A module replaced after planning (LoRA adapters) would be bypassed by the graph, and
+    # another precision changes its memory: autockpt/tree.py, autockpt/precision.py.
+    check_tree(self, state.tree)
+    check_precision(self, state.plan, state.exported, state.warned)
+    given = without_defaults(state.signature, kwargs)  # the call as the graph knows it
+    if state.planned is not None:
+        call = _call_shape(state.signature, args, given)
+        if call is None:  # not a valid call: the original forward says why
+            return base.forward(self, *args, **kwargs)
+        if call.names != state.planned.names:
+            state.warn_once(("names", call.names), (
+                f"{type(self).__name__} called in training with ({', '.join(call.names)}) "
+                "runs un-checkpointed, outside the plan's budget: the plan covers calls with "
+                f"({', '.join(state.planned.names)}); plan with these inputs to checkpoint them"
+            ), stacklevel=5)  # the caller of model(...)
+            return base.forward(self, *args, **kwargs)
+        if state.input_check is not None:  # export's own guards name the failing dimension
+            state.input_check(args, given)
+        _check_size(self, state, call)
+    elif state.input_check is not None:
+        state.input_check(args, given)
+    return state.code(self, *args, **given)
+
+
+def _check_size(self: nn.Module, state: _Checkpointing, call: CallShape) -> None:
+    planned = state.planned
+    assert planned is not None
+    if not state.shape_generic:
+        if call.tensors != planned.tensors:
+            raise PlanMismatchError(
+                f"this optimized {type(self).__name__} was planned for inputs "
+                f"({planned.describe()}) and its graph is specialised to them; got "
+                f"({call.describe()}). Give batches of that shape (e.g. drop_last=True) or "
+                "plan again for this one"
+            )
+        return
+    if not _exceeds(call, planned):
+        return
+    if state.on_larger_input == "warn":
+        state.warn_once(("larger", call.tensors), (
+            f"{type(self).__name__} called in training with ({call.describe()}), larger "
+            f"than planned ({planned.describe()}): it runs the plan, but the step's peak "
+            "memory may exceed the budget"
+        ), stacklevel=6)
+        return
+    raise PlanMismatchError(
+        f"this optimized {type(self).__name__} was planned for inputs ({planned.describe()}) "
+        f"and its budget holds for those sizes; this call gives ({call.describe()}), which "
+        "is larger, so the step's peak memory could exceed the budget. Give batches no "
+        "larger than planned, plan again for the largest batch, or set "
+        "`model.on_larger_input = 'warn'` to run it anyway"
+    )
+
+
+def _exceeds(call: CallShape, planned: CallShape) -> bool:
+    """Whether any tensor of ``call`` is larger than its planned counterpart in some
+    dimension or in element size (or the tensors do not correspond at all)."""
+    for got, want in zip(call.tensors, planned.tensors, strict=True):
+        if len(got) != len(want):
+            return True
+        for (shape, dtype), (planned_shape, planned_dtype) in zip(got, want, strict=True):
+            if len(shape) != len(planned_shape) or dtype.itemsize > planned_dtype.itemsize:
+                return True
+            if any(x > y for x, y in zip(shape, planned_shape, strict=True)):
+                return True
+    return False
+
+
+def _forward_signature(cls: type) -> inspect.Signature | None:
+    """``cls.forward``'s signature without ``self`` (None when it cannot be read)."""
+    try:
+        signature = inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())
+    if params and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        params = params[1:]
+    return signature.replace(parameters=params)
+
+
+def _call_shape(
+    signature: inspect.Signature | None, args: tuple, kwargs: dict
+) -> CallShape | None:
+    """The :class:`CallShape` of ``forward(*args, **kwargs)`` (None: not a valid call). A
+    keyword argument passed as its very default object (``attention_mask=None``) counts as
+    not given: the forward cannot tell the two apart (:func:`autockpt.trace.without_defaults`)."""
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(*args, **without_defaults(signature, kwargs))  # idempotent
+    except TypeError:
+        return None
+    entries: list[tuple[str, Any]] = []
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            entries += sorted(value.items())
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            entries += [(f"{name}[{i}]", item) for i, item in enumerate(value)]
+        else:
+            entries.append((name, value))
+    return CallShape(
+        tuple(name for name, _ in entries),
+        tuple(
+            tuple(
+                (tuple(leaf.shape), leaf.dtype)
+                for leaf in torch.utils._pytree.tree_leaves(value)
+                if isinstance(leaf, torch.Tensor)
+            )
+            for _, value in entries
+        ),
+    )
+
+
+def _shallow_copy(model: nn.Module) -> nn.Module:
+    """A new instance of ``model``'s checkpointed class sharing everything with ``model``
+    (parameters, buffers, children, attributes such as a config) but the registries and
+    hook tables, which are copies. A ``forward`` set on the instance is left out: it is
+    bound to the original object."""
+    result = object.__new__(_checkpointed_class(type(model)))
+    state = dict(vars(model))
+    state.pop("forward", None)
+    for name in _REGISTRIES:
+        if name in state:
+            state[name] = copy.copy(state[name])
+    vars(result).update(state)
+    return result
+
+
+def _get_plan(self: nn.Module) -> Plan | None:
+    return vars(self)[_STATE].plan
+
+
+def _set_plan(self: nn.Module, plan: Plan | None) -> None:
+    vars(self)[_STATE].plan = plan
+
+
+def _get_on_larger_input(self: nn.Module) -> str:
+    return vars(self)[_STATE].on_larger_input
+
+
+def _set_on_larger_input(self: nn.Module, value: str) -> None:
+    if value not in ON_LARGER_INPUT:
+        raise ValueError(f"on_larger_input must be one of {ON_LARGER_INPUT}, got {value!r}")
+    vars(self)[_STATE].on_larger_input = value
+
+
+def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A full copy: every tensor, module and attribute copied, the segments with them and
+    bound to the copy (their root is in the same memo), the plan shared."""
+    copied = object.__new__(type(self))
+    memo[id(self)] = copied
+    for name, value in vars(self).items():
+        vars(copied)[name] = copy.deepcopy(value, memo)
+    return copied
+
+
+def _copy(self: nn.Module) -> nn.Module:
+    """A shallow copy, as ``copy.copy`` makes of any module (the same registries)."""
+    copied = object.__new__(type(self))
+    vars(copied).update(vars(self))
+    return copied
+
+
+def _reduce_ex(self: nn.Module, protocol: Any) -> tuple[Any, ...]:
+    """Pickle as the plain model plus the plan; loading re-applies the plan
+    (:func:`_rebuild`). The generated class and the graph's code are not picklable, and
+    need not be: the plan rebuilds them, checked against the model's graph again."""
+    state: _Checkpointing = vars(self)[_STATE]
+    if state.plan is None:
+        raise TypeError(
+            f"this checkpointed {type(self).__name__} was made by rewrite() without a plan, "
+            "so it cannot be rebuilt on load; pickle a model from autockpt.optimize or "
+            "autockpt.apply, or the original model"
+        )
+    return _rebuild, (plain_module(self), state.plan, state.captured_training, state.on_larger_input)
+
+
+def _rebuild(plain: nn.Module, plan: Plan, captured_training: bool, on_larger_input: str) -> nn.Module:
+    """Re-apply ``plan`` to an unpickled plain model, captured in the mode it was planned
+    in (a result saved in eval mode would otherwise capture another graph), and leave every
+    module's mode as it was saved. An fx plan is re-captured from the plan alone; an export
+    plan needs example inputs, rebuilt as zeros of the planned shapes and dtypes."""
+    from autockpt.api import apply
+
+    modes = {name: module.training for name, module in plain.named_modules()}
+    inputs = None
+    if plan.capture_method == "export":
+        parameter = next(plain.parameters(), None)
+        device = parameter.device if parameter is not None else torch.device("cpu")
+        inputs = inputs_like(plan.input_signature, device)
+    plain.train(captured_training)
+    try:
+        result = apply(plain, plan, inputs)
+    finally:
+        for name, module in plain.named_modules():
+            module.training = modes[name]
+    result.training = modes[""]
+    result.on_larger_input = on_larger_input
+    return result
+
+
+_TENSOR = re.compile(r"Tensor\[([0-9, ]*)\]:(\w+)")
+
+
+def inputs_like(signature: str, device: torch.device | str = "meta") -> Inputs:
+    """Example inputs as a plan's ``input_signature`` describes them (``Inputs.signature``):
+    zero tensors of the recorded shapes and dtypes on ``device``, the recorded plain values.
+    Raises ValueError for a signature holding values it cannot rebuild (an object)."""
+    try:
+        args, kwargs = ast.literal_eval(signature)
+    except (ValueError, SyntaxError, TypeError) as error:
+        raise ValueError(f"cannot read the input signature {signature!r}: {error}") from None
+
+    def build(leaf: Any) -> Any:
+        if not isinstance(leaf, str):
+            raise ValueError(f"unexpected {leaf!r} in the input signature {signature!r}")
+        match = _TENSOR.fullmatch(leaf)
+        if match:
+            shape = [int(d) for d in match[1].split(",") if d.strip()]
+            return torch.zeros(shape, dtype=getattr(torch, match[2]), device=device)
+        try:
+            return ast.literal_eval(leaf)
+        except (ValueError, SyntaxError):
+            raise ValueError(
+                f"the input signature {signature!r} records a {leaf} object, which cannot "
+                "be rebuilt from it"
+            ) from None
+
+    tree_map = torch.utils._pytree.tree_map
+    return Inputs(tuple(tree_map(build, list(args))), dict(tree_map(build, kwargs)))
+
+
+def planned_inputs(signature: str) -> Inputs | None:
+    """Shape-only (meta) inputs as a plan's ``input_signature`` records them, for checking
+    calls of a result applied without example inputs; None when it cannot be read."""
+    try:
+        return inputs_like(signature, "meta")
+    except ValueError:
+        return None

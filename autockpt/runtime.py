@@ -1,7 +1,8 @@
 """Helpers shared by the stages that run real training steps (profile, measure, CLI).
 
 A training step here is ``loss_fn(model(*args, **kwargs)).backward()``; these helpers pick
-the loss, find the device, time on it, and make trial steps leave no trace in the model.
+the loss, find the device, time on it, and make trial steps leave no trace in the model,
+the caller's inputs or the global random generators (:func:`as_found`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from autockpt.rng import RngStates
 
 if TYPE_CHECKING:
     from autockpt.trace import Inputs
@@ -61,28 +64,139 @@ def clear_grads(model: nn.Module) -> None:
 
 
 @contextmanager
-def preserved_training_state(model: nn.Module) -> Iterator[None]:
-    """Run trial steps without leaving a trace: buffers, parameter ``.grad`` and RNG states
-    are restored on exit, so profiling or measuring never changes how training proceeds."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    grads = {name: p.grad for name, p in model.named_parameters()}
+def as_found(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
+    """Run a block (planning, profiling, a measured step) and leave everything as it was
+    found: the model, the caller's input tensors and the global random generators.
+
+    * Every submodule's training flag, and which tensor object each buffer and parameter
+      slot holds: a forward may *replace* a registered buffer (timm's ConViT builds its
+      table on the first call), so slots are put back by reassignment, buffers the block
+      registered are removed, one it set to ``None`` comes back. Each original buffer
+      object gets its original values back (in place; its original shape if it was
+      resized). Copying saved values into whatever object sits in the slot now would
+      write a placeholder into the new table.
+    * Parameter ``.grad`` (the same objects, never accumulated into: the block starts from
+      no gradient). Parameter values are not copied: trial steps never step an optimizer.
+    * Input tensors (``inputs``: anything holding tensors, e.g. :class:`~autockpt.trace.Inputs`)
+      that the block wrote -- a forward that updates its input in place -- get their values
+      back, from a host copy taken on entry (no device memory); tensors it did not write
+      are not touched, so their version counters do not move. A leaf input's ``.grad``
+      is restored like a parameter's.
+    * torch's CPU and CUDA, Python's and NumPy's global generators (:mod:`autockpt.rng`).
+    """
+    rng = RngStates.now()
+    state = _ModelState(model)
+    held = _InputState(inputs)
     # Trial steps start from no gradient: a backward would otherwise accumulate into the
     # caller's own .grad tensors in place, and restoring the references would not undo it.
-    clear_grads(model)
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    for t, _ in state.grads + held.grads:
+        t.grad = None
     try:
         yield
     finally:
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-        for name, p in model.named_parameters():
-            p.grad = grads.get(name)
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        try:
+            state.restore()
+            held.restore()
+        finally:
+            rng.restore()
+
+
+@contextmanager
+def preserved_training_state(model: nn.Module) -> Iterator[None]:
+    """:func:`as_found` for the model alone: trial steps on it leave no trace in training."""
+    with as_found(model):
+        yield
+
+
+_ABSENT = object()
+
+
+class _ModelState:
+    """The model's slots and values on entry to :func:`as_found` (one entry per module
+    object, shared ones once)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = list(model.modules())
+        self.training = [m.training for m in self.modules]
+        self.buffers = [dict(m._buffers) for m in self.modules]
+        self.non_persistent = [set(m._non_persistent_buffers_set) for m in self.modules]
+        self.parameters = [dict(m._parameters) for m in self.modules]
+        self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for buffers in self.buffers:
+            for b in buffers.values():
+                if b is not None and id(b) not in self.values:
+                    self.values[id(b)] = (b, b.detach().clone())
+        self.grads = [(p, p.grad) for p in model.parameters()]
+
+    def restore(self) -> None:
+        for m, training, buffers, non_persistent, parameters in zip(
+            self.modules,
+            self.training,
+            self.buffers,
+            self.non_persistent,
+            self.parameters,
+            strict=True,
+        ):
+            m.training = training
+            _put_slots(m._buffers, buffers)
+            _put_slots(m._parameters, parameters)
+            m._non_persistent_buffers_set.clear()
+            m._non_persistent_buffers_set.update(non_persistent)
+        for b, saved in self.values.values():
+            put_back(b, saved)
+        for p, grad in self.grads:
+            p.grad = grad
+
+
+def _put_slots(slots: dict[str, Any], found: dict[str, Any]) -> None:
+    """Make ``slots`` hold exactly the objects of ``found``, in its order."""
+    if len(slots) == len(found) and all(slots.get(k, _ABSENT) is v for k, v in found.items()):
+        return
+    slots.clear()
+    slots.update(found)
+
+
+def put_back(t: torch.Tensor, saved: torch.Tensor, *, if_changed: bool = True) -> None:
+    """Give the tensor object ``t`` the values (and shape) of ``saved``. With ``if_changed``
+    only when they differ (kernels update running statistics without bumping version
+    counters: values are the witness, and an untouched tensor keeps its version); the
+    comparison waits for the device, so a training step's hot path passes False."""
+    if is_fake(t):
+        return
+    with torch.no_grad():
+        if t.shape == saved.shape and t.dtype == saved.dtype and t.device == saved.device:
+            if not (if_changed and torch.equal(t, saved)):
+                t.copy_(saved)
+        else:  # resized in place (or its data swapped): the original shape comes back too
+            t.data = saved
+
+
+class _InputState:
+    """The caller's input tensors on entry to :func:`as_found`: version counter and a host
+    copy of the values of each, and a leaf's ``.grad``."""
+
+    def __init__(self, inputs: Any) -> None:
+        self.tensors: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
+        seen: set[int] = set()
+        for t in tensors_in(inputs):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            copy = None if is_fake(t) else t.detach().to("cpu", copy=True)
+            self.tensors.append((t, _version(t), copy))
+        self.grads = [(t, t.grad) for t, _, _ in self.tensors if t.is_leaf and t.requires_grad]
+
+    def restore(self) -> None:
+        for t, version, copy in self.tensors:
+            # an inference tensor has no version counter: compare its values instead
+            if copy is not None and (version is None or _version(t) != version):
+                put_back(t, copy.to(t.device))
+        for t, grad in self.grads:
+            t.grad = grad
+
+
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
 
 
 def device_of(model: nn.Module, inputs: Inputs) -> torch.device:

@@ -17,6 +17,17 @@ Models as libraries ship them are handled on the way: a decorated ``forward(*arg
 **kwargs)`` wrapper is traced as the user calls it, and output objects export cannot carry
 (a key/value cache) are returned as ``None``, with a note in :attr:`Capture.warnings`.
 
+The graph must run what the model runs. Tracing executes the forward's Python once, so two
+things it sees would not survive in an fx graph: a random draw made without a traced input
+(``torch.rand([]) < p`` for LayerDrop, ``random.random()``), which fx would bake in as a
+constant, and a switch of the autograd mode or autocast (``torch.no_grad()``), which fx does
+not record. :class:`_Watch` sees both while tracing; the innermost submodule whose own code
+did it becomes a leaf (it runs eagerly inside the graph, so it draws anew and its mode holds),
+and the root's own code falls back to export, which keeps torch draws as operators and
+``no_grad`` regions as ``wrap_with_set_grad_enabled``; an export graph that baked a Python or
+NumPy draw, or lost a mode switch, is refused with a :class:`TraceError` naming the line.
+Every fallback is said in :attr:`Capture.warnings`. Tracing consumes no random numbers.
+
 Every path yields a graph whose ``get_attr`` / ``call_module`` targets are qualified names in
 the *original* module tree, so the rewritten module can keep using the user's own parameter
 and buffer objects (``state_dict()`` keys stay the same, optimizers keep working).
@@ -33,6 +44,7 @@ import io
 import linecache
 import logging
 import os
+import random
 import sys
 import traceback
 import warnings
@@ -45,6 +57,8 @@ import torch.fx as fx
 from torch import nn
 
 from autockpt.errors import PlanMismatchError, TraceError
+from autockpt.rng import RngStates, rng_as_found
+from autockpt.runtime import as_found
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _MAX_LEAF_RETRIES = 64
@@ -73,6 +87,17 @@ class Inputs:
             f"keyword arguments, got {type(example_inputs).__name__}"
         )
 
+    def as_called(self, model: nn.Module) -> Inputs:
+        """These inputs without keywords given as their parameter's very default object
+        (``attention_mask=None``): the forward cannot tell such a call from one that leaves
+        them out, and the optimized model treats both alike, so plans are made for that call
+        (:func:`without_defaults`)."""
+        try:
+            signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            return self
+        return Inputs(self.args, without_defaults(signature, self.kwargs))
+
     def tensors(self) -> list[torch.Tensor]:
         leaves = torch.utils._pytree.tree_leaves((self.args, self.kwargs))
         return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -91,6 +116,18 @@ class Inputs:
         return repr(spec)
 
 
+def without_defaults(signature: inspect.Signature | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the named parameters given as their very default object: one rule
+    for the calls plans are made for and the calls an optimized model receives."""
+    if signature is None:
+        return kwargs
+    params = signature.parameters
+    return {
+        name: value for name, value in kwargs.items()
+        if name not in params or value is not params[name].default
+    }
+
+
 @dataclass
 class Capture:
     """A captured forward: the graph plus what the rest of the pipeline needs to know about it.
@@ -104,10 +141,19 @@ class Capture:
     leaf_modules: tuple[str, ...]
     warnings: list[str] = field(default_factory=list)
     extra_attributes: dict[str, Any] = field(default_factory=dict)
+    dynamic_dims: tuple[str, ...] = ()
+    """Input dimensions an export graph takes at any size (``"input_ids[1]"``); the others
+    are specialised to the example's. Empty for fx graphs, which are shape-generic."""
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
+
+    @property
+    def shape_generic(self) -> bool:
+        """Whether the graph runs other input sizes than the example's: every fx graph, and
+        an export graph with dynamic dimensions (its guards check the fixed ones)."""
+        return self.method != "export" or bool(self.dynamic_dims)
 
     def compute_nodes(self) -> list[fx.Node]:
         """Nodes in execution order that do work (everything but inputs, attributes, output)."""
@@ -144,7 +190,22 @@ def capture(
     ``inputs`` is empty (re-applying a saved plan with no example inputs); the others are
     specialised to their defaults, exactly as when the plan was made. Raises
     :class:`TraceError` naming the module and source line when every path fails.
+
+    Tracing runs the forward's Python code, which may assign to the model (fx stores a
+    proxy where a forward replaces a buffer) or draw random numbers: the model, the inputs
+    and the global generators are left as found (:func:`autockpt.runtime.as_found`).
     """
+    with as_found(model, inputs):
+        return _capture(model, inputs, leaf_modules, method, input_names)
+
+
+def _capture(
+    model: nn.Module,
+    inputs: Inputs,
+    leaf_modules: Iterable[str],
+    method: str | None,
+    input_names: Iterable[str] | None,
+) -> Capture:
     leaves = set(leaf_modules)
     _check_leaf_names(model, leaves)
     notes: list[str] = []
@@ -198,8 +259,9 @@ def _prefer_export(model: nn.Module, inputs: Inputs, fx_capture: Capture) -> Cap
         reason = f"fx would run {leaves} as opaque leaves holding most of the parameters"
         return _capture_export(model, inputs, [], reason)
     except Exception as error:  # noqa: BLE001 - the fx capture still works
+        why = error.reason if isinstance(error, TraceError) else type(error).__name__
         fx_capture.warnings.append(
-            f"torch.export could not capture the model either ({type(error).__name__}), so "
+            f"torch.export could not capture the model either ({why}), so "
             f"{leaves} stay opaque leaves: the plan cannot checkpoint inside them"
         )
         return fx_capture
@@ -218,12 +280,41 @@ class _LeafTracer(fx.Tracer):
 
     proxy_buffer_attributes = True
 
-    def __init__(self, leaves: set[str], call_shape: _CallShape | None = None) -> None:
+    def __init__(
+        self, leaves: set[str], call_shape: _CallShape | None = None, boundaries: bool = False
+    ) -> None:
         super().__init__()
         self.leaves = leaves
         self.call_shape = call_shape
         self.failed_module: str | None = None
         self.saw_checkpoint = False
+        # Fidelity (see _Watch): the module whose own code runs now ("" = the root). With
+        # ``boundaries``, also the global generators' states when that code last started or
+        # resumed running, and every module whose own code moved them, with the generators
+        # it moved: the witness for draws no C call shows (NumPy's), at the cost of reading
+        # every generator's state at every module call, so only when one is known to hide.
+        self.running: list[str] = [""]
+        self.drawn: dict[str, set[str]] = {}
+        self.boundaries = boundaries
+        self._rng_mark: RngStates | None = None
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self._rng_mark = RngStates.now() if self.boundaries else None
+        graph = super().trace(root, concrete_args)
+        self._own_code_ran()
+        return graph
+
+    def _own_code_ran(self) -> None:
+        """Close a stretch of the current module's own code: the generators that moved
+        since the last mark moved in it (a child's stretch is closed when it returns)."""
+        if not self.boundaries:
+            return
+        now = RngStates.now()
+        if self._rng_mark is not None:
+            moved = self._rng_mark.changed(now)
+            if moved:
+                self.drawn.setdefault(self.running[-1], set()).update(moved)
+        self._rng_mark = now
 
     def create_args_for_root(
         self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
@@ -237,6 +328,15 @@ class _LeafTracer(fx.Tracer):
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         try:
+            path: str | None = self.path_of_module(m)
+        except NameError:  # a module made in forward: its code counts as its caller's
+            path = None
+        if path is not None and self.is_leaf_module(m, path):
+            path = None  # not traced into: none of its code runs now
+        if path is not None:
+            self._own_code_ran()
+            self.running.append(path)
+        try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
             if self.failed_module is None:
@@ -245,6 +345,10 @@ class _LeafTracer(fx.Tracer):
                 except NameError:
                     self.failed_module = None
             raise
+        finally:
+            if path is not None:
+                self._own_code_ran()
+                self.running.pop()
 
     def create_arg(self, a: Any) -> Any:
         # Dataclass outputs (e.g. a ModelOutput) become a node that rebuilds them at run time.
@@ -320,35 +424,80 @@ def _dataclass_builder(cls: type) -> Callable[[dict[str, Any]], Any]:
 def _trace_fx_with_leaves(
     model: nn.Module, inputs: Inputs, leaves: set[str], input_names: Iterable[str] | None
 ) -> Capture | tuple[str, BaseException]:
-    """Trace with fx, turning each failing submodule into a leaf; return the capture, or
-    ``(module, error)`` for a failure that a leaf cannot fix."""
+    """Trace with fx, turning each failing submodule into a leaf, and each submodule whose
+    own code fx would not keep (a random draw, an autograd-mode switch, a buffer
+    assignment: :class:`_Watch`) into a leaf too, so that it runs eagerly inside the graph;
+    return the capture, or ``(module, error)`` for what a leaf cannot fix (an
+    :class:`_Unfaithful` error when it is the root's own code that fx would not keep). The
+    global generators and the model's buffer and parameter slots are as found after every
+    attempt: tracing runs the model's code, but consumes no random numbers, and the next
+    attempt must not read the proxies fx left in slots the model assigns."""
     auto_leaves: list[str] = []
+    failed_leaves: list[str] = []
+    fidelity_notes: dict[str, str] = {}
     concrete = _concrete_args(model, inputs, input_names)
     shape = _call_shape(model, inputs, input_names)
+    boundaries = False
     for _ in range(_MAX_LEAF_RETRIES):
-        tracer = _LeafTracer(leaves | set(auto_leaves), shape)
-        with _watch_checkpoint_calls(tracer):
+        tracer = _LeafTracer(leaves | set(auto_leaves), shape, boundaries)
+        watch = _Watch(tracer, lambda tracer=tracer: tracer.running[-1], model)
+        with rng_as_found() as found_rng, _slots_as_found(model), watch:
             try:
                 graph = tracer.trace(model, concrete_args=concrete)
             except Exception as error:  # noqa: BLE001 - any tracing failure is handled below
                 failed = tracer.failed_module
                 if failed and failed not in auto_leaves and failed not in leaves:
                     auto_leaves.append(failed)
+                    failed_leaves.append(failed)
                     continue
                 return (failed or "", error)
+            moved = set(found_rng.changed())
+        if not boundaries and moved - {d.generator for d in watch.draws}:
+            boundaries = True  # a draw no C call showed: find its module by the states
+            continue
+        found = _unfaithful_code(model, tracer, watch)
+        if "" in found:
+            return ("", _Unfaithful(found[""]))
+        new = [m for m in found if not any(m.startswith(f"{o}.") for o in found)]
+        if new:
+            for module in new:
+                # leaves found inside it earlier are never reached now
+                inside = [m for m in auto_leaves if m.startswith(f"{module}.")]
+                auto_leaves = [m for m in auto_leaves if m not in inside]
+                failed_leaves = [m for m in failed_leaves if m not in inside]
+                fidelity_notes = {m: n for m, n in fidelity_notes.items() if m not in inside}
+                auto_leaves.append(module)
+                fidelity_notes[module] = _leaf_note(module, found[module])
+            continue
         _restore_placeholder_names(graph, model)
         gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
         notes = []
         if tracer.saw_checkpoint:
             notes.append(_CHECKPOINT_WARNING)
             warnings.warn(_CHECKPOINT_WARNING, stacklevel=3)
-        if auto_leaves:
-            notes.append(
-                "untraceable submodules run as opaque leaves: " + ", ".join(auto_leaves)
-            )
+        if failed_leaves:
+            notes.append("untraceable submodules run as opaque leaves: " + ", ".join(failed_leaves))
+        notes += fidelity_notes.values()
         method = "fx+leaves" if auto_leaves else "fx"
         return Capture(gm, method, tuple(sorted(leaves | set(auto_leaves))), notes)
     return ("", RuntimeError(f"gave up after {_MAX_LEAF_RETRIES} leaf retries"))
+
+
+@contextlib.contextmanager
+def _slots_as_found(model: nn.Module) -> Iterator[None]:
+    """Put back the tensor object of every buffer and parameter slot of ``model`` on exit.
+    Only slots: fx tracing computes on proxies, so it never writes a tensor's values, but
+    it leaves a proxy in a slot the forward assigns. (The capture as a whole runs under
+    :func:`autockpt.runtime.as_found`, which also restores values.)"""
+    held = [(m, dict(m._buffers), dict(m._parameters)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, buffers, parameters in held:
+            for slots, found in ((m._buffers, buffers), (m._parameters, parameters)):
+                if slots.keys() != found.keys() or any(slots[k] is not v for k, v in found.items()):
+                    slots.clear()
+                    slots.update(found)
 
 
 _CHECKPOINT_WARNING = (
@@ -357,40 +506,442 @@ _CHECKPOINT_WARNING = (
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# fidelity: what tracing runs that a graph would not keep (docs/design.md, "What capture keeps
+# faithful")
+
+
+@dataclass(frozen=True)
+class _Sighting:
+    """One thing a module's own code did while being traced that a graph does not keep:
+    a random draw from a global generator (``generator`` set), an assignment to a
+    registered buffer or parameter (``slot``: its qualified name) or a switch of the
+    autograd mode or autocast (``before``/``after``: grad mode around a
+    ``set_grad_enabled``)."""
+
+    module: str
+    what: str
+    location: str
+    source_line: str
+    generator: str | None = None
+    before: bool | None = None
+    after: bool | None = None
+    slot: str | None = None
+    parameter: bool = False  # ``slot`` is a parameter's
+
+    def describe(self) -> str:
+        return f"{self.what} at {self.location}"
+
+
+class _Unfaithful(Exception):
+    """The root's own code does something fx would not keep (a draw, a mode switch, a
+    buffer assignment); no leaf can fix it, so the capture falls back to torch.export or
+    refuses."""
+
+    def __init__(self, sightings: list[_Sighting]) -> None:
+        self.sightings = sightings
+        first = sightings[0]
+        self.location, self.source_line = first.location, first.source_line
+        super().__init__(_what_fx_loses(sightings))
+
+
+_GENERATOR_NAMES = {
+    "torch": "torch's generator",
+    "torch.cuda": "torch's CUDA generator",
+    "random": "Python's random",
+    "numpy": "NumPy's global generator",
+}
+
+
+def _what_fx_loses(sightings: list[_Sighting]) -> str:
+    draws = [s for s in sightings if s.generator is not None]
+    assignments = [s for s in sightings if s.slot is not None]
+    switches = [s for s in sightings if s.generator is None and s.slot is None]
+    parts = []
+    if draws:
+        parts.append(
+            "draws random numbers in Python ("
+            + "; ".join(s.describe() for s in draws)
+            + "), which fx would run once and bake into the graph as constants"
+        )
+    if switches:
+        parts.append(
+            "switches the autograd mode or autocast ("
+            + "; ".join(s.describe() for s in switches)
+            + "), which fx does not record"
+        )
+    if assignments:
+        parts.append(
+            "assigns a registered buffer or parameter ("
+            + "; ".join(s.describe() for s in assignments)
+            + "), which fx does not record (its graph computes the new value, never stores it)"
+        )
+    return " and ".join(parts)
+
+
+def _leaf_note(module: str, sightings: list[_Sighting]) -> str:
+    draws = any(s.generator is not None for s in sightings)
+    assignments = any(s.slot is not None for s in sightings)
+    switches = any(s.generator is None and s.slot is None for s in sightings)
+    why = []
+    if draws:
+        why.append("each step draws anew")
+    if switches:
+        why.append("the mode it sets holds when it runs")
+    if assignments:
+        why.append("the value it assigns is stored when it runs")
+    because = " and ".join(why)
+    return f"module '{module}' {_what_fx_loses(sightings)}; it runs as a leaf so {because}"
+
+
+def _unfaithful_code(
+    model: nn.Module, tracer: _LeafTracer, watch: _Watch
+) -> dict[str, list[_Sighting]]:
+    """Modules ("" for the root) whose own code drew from a global generator, switched
+    a mode or assigned a buffer or parameter while fx traced it, with what it did and
+    where. A generator that moved with no C call seen to move it (NumPy's draws are not C
+    calls to a profile hook) is reported at the module's ``forward``."""
+    found: dict[str, list[_Sighting]] = {}
+    for sighting in watch.switches + watch.draws + watch.assignments:
+        found.setdefault(sighting.module, []).append(sighting)
+    for module, generators in tracer.drawn.items():
+        seen = {d.generator for d in watch.draws if d.module == module}
+        for generator in sorted(generators - seen):
+            owner = model.get_submodule(module) if module else model
+            location, line = _definition(type(owner).forward)
+            what = f"a draw from {_GENERATOR_NAMES.get(generator, generator)}"
+            found.setdefault(module, []).append(_Sighting(module, what, location, line, generator))
+    return {module: _unique(sightings) for module, sightings in found.items()}
+
+
+def _unique(sightings: list[_Sighting]) -> list[_Sighting]:
+    seen: set[tuple[str, str]] = set()
+    kept = []
+    for s in sightings:
+        if (s.what, s.location) not in seen:
+            seen.add((s.what, s.location))
+            kept.append(s)
+    return kept
+
+
+def _definition(fn: Any) -> tuple[str, str]:
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return "<unknown>", ""
+    line = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+    return f"{code.co_filename}:{code.co_firstlineno}", line
+
+
 class _CheckpointSeen:
-    """What :class:`_watch_checkpoint_calls` reports to when there is no fx tracer (export)."""
+    """What :class:`_Watch` reports checkpoint calls to when there is no fx tracer (export)."""
 
     saw_checkpoint = False
 
 
-class _watch_checkpoint_calls:
-    """Notice calls of ``torch.utils.checkpoint.checkpoint`` made while tracing.
+_TORCH_DRAWS = frozenset(
+    """rand randn randint randperm rand_like randn_like randint_like bernoulli bernoulli_
+    multinomial normal normal_ poisson uniform_ random_ exponential_ geometric_ cauchy_
+    log_normal_ dropout dropout_ feature_dropout alpha_dropout feature_alpha_dropout rrelu
+    rrelu_ native_dropout binomial _standard_gamma _sample_dirichlet""".split()
+)
+_DRAW_NAMES = _TORCH_DRAWS | {"random", "getrandbits", "seed", "randbytes"}
+"""Names of the C functions that can draw from a global generator (torch's samplers, the
+C methods of Python's ``Random``); NumPy's are not C calls a profile hook sees."""
+_GRAD_SWITCHES = {
+    "no_grad.__enter__": "torch.no_grad",
+    "enable_grad.__enter__": "torch.enable_grad",
+    "set_grad_enabled.__init__": "torch.set_grad_enabled",
+    "set_grad_enabled.__enter__": "torch.set_grad_enabled",
+    "set_grad_enabled.clone": "torch.set_grad_enabled",
+}
 
-    Tracing runs the model's Python code once, and checkpoint's own code runs the wrapped
-    function directly under tracing, so the call would vanish silently; a profile hook on
-    checkpoint's code objects is the one place that sees it.
+
+@dataclass(frozen=True)
+class _WatchedCode:
+    """Code objects and files :class:`_Watch` looks for (resolved once)."""
+
+    checkpoints: frozenset[Any]
+    modes: dict[Any, str]  # __enter__ code of a mode construct -> its name
+    set_grad: Any
+    grad_file: str
+    construct_files: frozenset[str]  # where the mode constructs' own code lives
+    contextlib_file: str  # torch's decorator wrapper (``@torch.no_grad()``)
+    slot_writers: dict[Any, str]  # code of nn.Module's slot setters -> its value argument
+
+
+@functools.cache
+def _watched_code() -> _WatchedCode:
+    import torch.cpu.amp.autocast_mode as cpu_autocast
+    import torch.cuda.amp.autocast_mode as cuda_autocast
+    from torch.amp import autocast_mode
+    from torch.autograd import grad_mode
+    from torch.utils import _contextlib
+    from torch.utils import checkpoint as ckpt
+
+    return _WatchedCode(
+        checkpoints=frozenset(
+            inspect.unwrap(fn).__code__ for fn in (ckpt.checkpoint, ckpt.checkpoint_sequential)
+        ),
+        modes={
+            inspect.unwrap(grad_mode.inference_mode.__enter__).__code__: "torch.inference_mode",
+            inspect.unwrap(autocast_mode.autocast.__enter__).__code__: "torch.autocast",
+        },
+        set_grad=torch._C._set_grad_enabled,
+        grad_file=grad_mode.__file__,
+        construct_files=frozenset(
+            m.__file__ for m in (grad_mode, autocast_mode, cpu_autocast, cuda_autocast)
+        ),
+        contextlib_file=_contextlib.__file__,
+        slot_writers={
+            nn.Module.__setattr__.__code__: "value",
+            nn.Module.register_buffer.__code__: "tensor",
+            nn.Module.register_parameter.__code__: "param",
+        },
+    )
+
+
+class _Watch:
+    """A profile hook over one capture attempt (fx or export).
+
+    Tracing runs the model's Python code once; this hook sees what that code does that the
+    graph will not keep, and attributes it to ``scope()`` (the module whose own code runs):
+
+    * calls of ``torch.utils.checkpoint`` (tracing inlines them);
+    * draws from a global generator (torch's, Python's ``random``, NumPy's): fx runs them
+      once and bakes the value in. The hook compares the generator states around each C
+      call that can draw, so only calls that did draw are reported, with their line;
+    * switches of the autograd mode (``no_grad``, ``enable_grad``, ``set_grad_enabled``,
+      ``inference_mode``, also as decorators) and of ``autocast``: fx records none of
+      them. ``before``/``after`` say the grad mode around a ``set_grad_enabled``;
+    * assignments to a registered buffer or parameter of ``model``'s tree
+      (``self.steps = self.steps + 1``, ``register_buffer`` of an existing name): fx
+      computes the new value but stores it nowhere (it leaves a proxy in the slot), so
+      the graph would never advance the buffer. Assigning the very tensor the slot holds
+      (``self.mask = self.mask.to(x.device)`` on export's fake tensors) is no change.
     """
 
-    def __init__(self, tracer: _LeafTracer | _CheckpointSeen) -> None:
-        self.tracer = tracer
-        from torch.utils import checkpoint as ckpt
+    def __init__(
+        self,
+        seen: _LeafTracer | _CheckpointSeen,
+        scope: Callable[[], str] = lambda: "",
+        model: nn.Module | None = None,
+    ) -> None:
+        self.seen = seen
+        self.scope = scope
+        self.model = model
+        self.draws: list[_Sighting] = []
+        self.switches: list[_Sighting] = []
+        self.assignments: list[_Sighting] = []
+        self.internal: set[str] = set()  # generators torch's helper libraries drew from
+        self._pending: dict[int, Any] = {}
+        self._code = _watched_code()
+        self._paths: dict[int, str] | None = None
 
-        self.codes = {
-            inspect.unwrap(fn).__code__
-            for fn in (ckpt.checkpoint, ckpt.checkpoint_sequential)
-        }
+    def clear(self) -> None:
+        """Forget what an earlier attempt saw (export is tried again without dynamic sizes)."""
+        self.draws.clear()
+        self.switches.clear()
+        self.assignments.clear()
+        self.internal.clear()
+        self._pending.clear()
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Watch:
         self.previous = sys.getprofile()
-
-        def hook(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code in self.codes:
-                self.tracer.saw_checkpoint = True
-
-        sys.setprofile(hook)
+        sys.setprofile(self._hook)
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         sys.setprofile(self.previous)
+
+    def _hook(self, frame: Any, event: str, arg: Any) -> None:
+        # Runs at every call while tracing: the common case returns after a set lookup. It
+        # must never raise: Python would drop the hook and raise into the traced code.
+        try:
+            if event == "c_call":
+                if arg is self._code.set_grad:
+                    self._pending[id(frame)] = (None, torch.is_grad_enabled())
+                elif getattr(arg, "__name__", None) in _DRAW_NAMES:
+                    generator = _generator_of(arg)
+                    if generator is not None:
+                        with _outside_dispatch_modes():
+                            self._pending[id(frame)] = ((generator, arg), RngStates.now())
+            elif event == "call":
+                code = frame.f_code
+                if code in self._code.checkpoints:
+                    self.seen.saw_checkpoint = True
+                elif code in self._code.modes:
+                    site = self._switch_site(frame)
+                    if site is not None:
+                        what = self._code.modes[code]
+                        self.switches.append(_Sighting(self.scope(), what, *site))
+                elif code in self._code.slot_writers and self.model is not None:
+                    self._slot_write(frame, self._code.slot_writers[code])
+            elif self._pending and event in ("c_return", "c_exception"):
+                pending = self._pending.pop(id(frame), None)
+                if pending is not None:
+                    self._resolve(frame, *pending)
+        except Exception:  # noqa: BLE001 - a sighting lost; the generators are still compared
+            self._pending.pop(id(frame), None)
+
+    def _resolve(self, frame: Any, draw: tuple[str, Any] | None, before: Any) -> None:
+        if draw is None:  # a set_grad_enabled call returned
+            what = self._grad_switch(frame)
+            site = self._switch_site(frame) if what is not None else None
+            if what is not None and site is not None:
+                after = torch.is_grad_enabled()
+                sighting = _Sighting(self.scope(), what, *site, before=before, after=after)
+                self.switches.append(sighting)
+            return
+        generator, fn = draw
+        with _outside_dispatch_modes():  # export traces under fake-tensor modes
+            moved = before.changed()
+        if generator not in moved:
+            return  # called on traced values (a graph node) or drew nothing
+        owner = getattr(fn, "__self__", None)
+        prefix = {"random": "random", "numpy": "numpy.random"}.get(generator)
+        if prefix is None:
+            prefix = "Tensor" if isinstance(owner, torch.Tensor) else "torch"
+        location, line = self._site(frame)
+        if location.startswith(_TOOL_DIRS):
+            self.internal.add(generator)  # torch's own shape reasoning, not the model
+            return
+        what = f"{prefix}.{getattr(fn, '__name__', fn)}"
+        self.draws.append(_Sighting(self.scope(), what, location, line, generator=generator))
+
+    def _slot_write(self, frame: Any, value_name: str) -> None:
+        """An ``nn.Module`` slot setter was called: record it when the model's own code
+        assigns a buffer or parameter slot of the model's tree (torch's bookkeeping, such as
+        export swapping fake tensors in, and plain attributes are not the model's state)."""
+        caller = frame.f_back
+        if caller is None:
+            return
+        filename = caller.f_code.co_filename
+        if filename.startswith(_SKIPPED_DIRS) or filename.startswith("<"):
+            return
+        local = frame.f_locals
+        owner, name = local.get("self"), local.get("name")
+        if not isinstance(owner, nn.Module) or not isinstance(name, str):
+            return
+        buffers = vars(owner).get("_buffers", {})
+        parameters = vars(owner).get("_parameters", {})
+        if value_name == "value" and name not in buffers and name not in parameters:
+            return  # a plain attribute (or a submodule)
+        held = buffers.get(name, parameters.get(name))
+        if held is not None and local.get(value_name) is held:
+            return  # the tensor the slot holds, put back
+        if self._paths is None:
+            assert self.model is not None
+            self._paths = {
+                id(m): path for path, m in self.model.named_modules(remove_duplicate=False)
+            }
+        path = self._paths.get(id(owner))
+        if path is None:
+            return  # a module made in forward: not the model's state
+        slot = f"{path}.{name}" if path else name
+        parameter = name in parameters or value_name == "param"
+        what = f"{'parameter' if parameter else 'buffer'} '{slot}' assigned"
+        location = f"{filename}:{caller.f_lineno}"
+        line = linecache.getline(filename, caller.f_lineno).strip()
+        self.assignments.append(
+            _Sighting(self.scope(), what, location, line, slot=slot, parameter=parameter)
+        )
+
+    def _grad_switch(self, frame: Any) -> str | None:
+        """The construct a ``_set_grad_enabled`` call came from (``torch.no_grad``...), or
+        ``None`` when it is one restoring the mode on exit."""
+        qualname = None
+        while frame is not None and frame.f_code.co_filename == self._code.grad_file:
+            qualname = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            frame = frame.f_back
+        if qualname is None:
+            return "torch._C._set_grad_enabled"
+        if "__exit__" in qualname or qualname.endswith("__call__"):
+            return None
+        return _GRAD_SWITCHES.get(qualname, f"torch.{qualname}")
+
+    def _switch_site(self, frame: Any) -> tuple[str, str] | None:
+        """Where the user's code entered the mode construct that ``frame`` runs in: the
+        frame right outside the construct's own code, or a decorated function's definition
+        (``@torch.no_grad()``). ``None`` when torch's own code switched (export does,
+        around its tracing): that is not the model's."""
+        while frame is not None and frame.f_code.co_filename in self._code.construct_files:
+            frame = frame.f_back
+        if frame is None:
+            return None
+        name = frame.f_code.co_filename
+        if name == self._code.contextlib_file:
+            func = frame.f_locals.get("func")
+            code = getattr(inspect.unwrap(func), "__code__", None) if func is not None else None
+            if code is None or code.co_filename.startswith(_SKIPPED_DIRS):
+                return None
+            return _definition(func)
+        if name.startswith(_SKIPPED_DIRS) or name.startswith("<"):
+            return None
+        return f"{name}:{frame.f_lineno}", linecache.getline(name, frame.f_lineno).strip()
+
+    def _site(self, frame: Any) -> tuple[str, str]:
+        """``file:line`` and source of the user's code behind ``frame``: the first frame
+        outside torch, the random modules and this package."""
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if not (name.startswith(_SKIPPED_DIRS) or name.startswith("<")):
+                line = linecache.getline(name, frame.f_lineno).strip()
+                return f"{name}:{frame.f_lineno}", line
+            frame = frame.f_back
+        return "<unknown>", ""
+
+
+def _skipped_dirs() -> tuple[str, ...]:
+    dirs = [_TORCH_DIR, os.path.dirname(__file__), random.__file__]
+    try:
+        import numpy
+
+        dirs.append(os.path.dirname(numpy.__file__))
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(dirs)
+
+
+_SKIPPED_DIRS = _skipped_dirs()
+
+
+def _tool_dirs() -> tuple[str, ...]:
+    """Libraries torch itself runs while tracing that draw from Python's ``random``:
+    SymPy shuffles its assumption checks (``random.shuffle``) when export reasons about
+    dynamic sizes. Their draws are not the model's (capture restores the generators)."""
+    try:
+        import sympy
+    except ImportError:  # pragma: no cover
+        return ()
+    return (os.path.dirname(sympy.__file__),)
+
+
+_TOOL_DIRS = _tool_dirs()
+
+
+@contextlib.contextmanager
+def _outside_dispatch_modes() -> Iterator[None]:
+    """Compare generator states as real tensors also while export traces (its fake-tensor
+    mode would refuse ``torch.equal`` on them)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def _generator_of(fn: Any) -> str | None:
+    """The global generator a C function can draw from, by what it is: a method of
+    Python's ``Random`` or a torch function or tensor method that samples; ``None`` for
+    anything else."""
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__name__", "")
+    if isinstance(owner, random.Random):
+        return "random"
+    if name in _TORCH_DRAWS and (
+        isinstance(owner, torch.Tensor) or str(getattr(fn, "__module__", "")).startswith("torch")
+    ):
+        return "torch"
+    return None
 
 
 def given_input_names(model: nn.Module, inputs: Inputs) -> tuple[str, ...]:
@@ -461,21 +1012,25 @@ def _capture_export(
 ) -> Capture:
     dropped: list[str] = []
     seen = _CheckpointSeen()
-    with warnings.catch_warnings(), _quiet_torch_logs(), _watch_checkpoint_calls(seen):
+    watch = _Watch(seen, model=model)
+    dynamic = _dynamic_shapes(model, inputs)
+    dynamic_failure: BaseException | None = None
+    with rng_as_found() as found, warnings.catch_warnings(), _quiet_torch_logs(), watch:
         warnings.simplefilter("ignore")
-        try:
-            exported = torch.export.export(model, inputs.args, inputs.kwargs, strict=False)
-        except Exception as error:  # noqa: BLE001 - retried once, else the first error stands
-            # Outputs export cannot carry (a key/value cache object a model returns with
-            # use_cache on) are left out; anything else fails the same way again.
+        exported = None
+        if dynamic is not None:
             try:
-                with _outputs_without_opaque_objects(model, dropped):
-                    exported = torch.export.export(
-                        model, inputs.args, inputs.kwargs, strict=False
-                    )
-            except Exception:  # noqa: BLE001
-                raise error from None
+                exported = _export(model, inputs, dynamic, dropped)
+            except Exception as error:  # noqa: BLE001 - the static export below decides
+                dynamic_failure = error
+                dropped.clear()
+                watch.clear()
+        if exported is None:
+            exported = _export(model, inputs, None, dropped)
         gm = exported.module()
+        moved = found.changed()
+    _check_export_kept(model, watch, moved, fx_failure)
+    assigned = _keep_assignments(gm, watch, fx_failure)
     if seen.saw_checkpoint:
         notes.append(_CHECKPOINT_WARNING)
         warnings.warn(_CHECKPOINT_WARNING, stacklevel=3)
@@ -485,8 +1040,8 @@ def _capture_export(
             f"optimized model: {', '.join(sorted(set(dropped)))} (a training step does not "
             "use them; turn them off in the model, e.g. use_cache=False, to silence this)"
         )
-    # Export's input guards are checked by our own fingerprint; the guard submodule is not
-    # part of the user's tree, so drop it.
+    # The guard submodule is not part of the user's tree: it is taken out of the graph and
+    # run by the input check instead (rewrite.py runs it before the graph).
     guards = []
     for node in list(gm.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards"):
@@ -496,17 +1051,309 @@ def _capture_export(
     extras = {
         name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)
     }
-    if guards and "_in_spec" in extras:
-        extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature())
+    layouts = _input_layouts(gm, dict(exported.range_constraints))
+    dims = tuple(
+        f"{name}[{d}]" for name, layout in layouts if layout is not None
+        for d, size in enumerate(layout[1]) if isinstance(size, tuple)
+    )
+    if "_in_spec" in extras:
+        extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature(), layouts)
     note = "captured with torch.export (non-strict)"
     if isinstance(fx_failure, str):
         note += f" because {fx_failure}"
     elif fx_failure is not None:
         module, error = fx_failure
         where = f"module '{module}'" if module else "the root module"
-        note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
+        if isinstance(error, _Unfaithful):
+            note += f" because {where}'s own code {error}"
+        else:
+            note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
     notes.append(note)
-    return Capture(gm, "export", (), notes, extras)
+    if assigned:
+        notes.append(
+            f"torch.export keeps the assignment of {', '.join(assigned)} in forward as an "
+            "in-place update of the registered tensor at the end of the forward: its values "
+            "advance exactly as in eager, and the slot keeps holding the same tensor object"
+        )
+    if dynamic_failure is not None:
+        first = str(dynamic_failure).strip().splitlines()[0] if str(dynamic_failure) else ""
+        notes.append(
+            "torch.export could not keep batch and sequence sizes dynamic "
+            f"({type(dynamic_failure).__name__}: {first}), so the graph is specialised to "
+            "the planned input shapes: a call with other shapes raises PlanMismatchError"
+        )
+    elif dims:
+        notes.append(
+            f"the graph takes other sizes in {', '.join(dims)} (torch.export keeps them "
+            "dynamic; its guards refuse sizes the model's code branches on) and the planned "
+            "size in every other dimension: smaller batches and sequences run the plan, "
+            "larger ones follow `on_larger_input`"
+        )
+    elif dynamic is not None:
+        notes.append(
+            "torch.export fixed every input size while tracing, so the graph is specialised "
+            "to the planned input shapes: a call with other shapes raises PlanMismatchError"
+        )
+    return Capture(gm, "export", (), notes, extras, dims)
+
+
+def _dynamic_shapes(model: nn.Module, inputs: Inputs) -> Any | None:
+    """Export's ``dynamic_shapes`` for the example inputs: the batch dimension (dim 0) of
+    every tensor and the sequence dimension (dim 1) of every integer or boolean tensor of
+    rank 2 or more (token ids, attention masks, labels, positions), each as ``Dim.AUTO``:
+    export keeps a dimension dynamic where the model allows it and silently specialises
+    it where the model fixes it (a size-1 example, a view to a literal shape, a table of
+    fixed length). Floating tensors keep their other sizes (channels, features, a
+    sequence of embeddings). ``None`` when nothing is marked or export's helper cannot map
+    the inputs to the forward's parameters."""
+    from torch.export import Dim, ShapesCollection
+
+    shapes = ShapesCollection()
+    marked = False
+    for t in inputs.tensors():
+        dims = {}
+        if t.dim() >= 1:
+            dims[0] = Dim.AUTO
+        if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex()):
+            dims[1] = Dim.AUTO
+        if dims:
+            shapes[t] = dims
+            marked = True
+    if not marked:
+        return None
+    try:
+        return shapes.dynamic_shapes(model, inputs.args, inputs.kwargs)
+    except Exception:  # noqa: BLE001 - exported with static shapes instead
+        return None
+
+
+def _export(
+    model: nn.Module, inputs: Inputs, dynamic: Any | None, dropped: list[str]
+) -> torch.export.ExportedProgram:
+    """``torch.export.export(strict=False)``, retried once with outputs export cannot
+    carry (a key/value cache object a model returns with use_cache on) left out (their
+    class names are appended to ``dropped``); anything else fails the same way again, and
+    the first error stands."""
+
+    def run() -> torch.export.ExportedProgram:
+        with _size_oblivious() if dynamic is not None else contextlib.nullcontext():
+            return torch.export.export(
+                model, inputs.args, inputs.kwargs, strict=False, dynamic_shapes=dynamic
+            )
+
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001 - retried once, else the first error stands
+        try:
+            with _outputs_without_opaque_objects(model, dropped):
+                return run()
+        except Exception:  # noqa: BLE001
+            raise error from None
+
+
+_Size = int | tuple[int, int | None]
+"""A dimension of an export graph's input: its fixed size, or the range (lowest, highest
+or ``None``) of a dimension export kept dynamic."""
+_Layouts = list[tuple[str, tuple[torch.dtype, tuple[_Size, ...]] | None]]
+
+
+def _size_oblivious() -> contextlib.AbstractContextManager[Any]:
+    """Export with sizes reasoned about for every value, 0 and 1 included
+    (``backed_size_oblivious``): by default export assumes each dynamic size is at least 2
+    and takes a branch such as ``if x.shape[0] > 1`` without a guard, so a last batch of
+    one would be refused (:func:`_input_layouts`); with it, such a branch becomes a guard
+    and a batch of one runs where the model allows it. A private switch of torch's: where
+    it is missing, export's default stands."""
+    try:
+        from torch.fx.experimental import _config
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    if not hasattr(_config, "backed_size_oblivious"):  # pragma: no cover
+        return contextlib.nullcontext()
+    return _config.patch(backed_size_oblivious=True)
+
+
+def _input_layouts(gm: fx.GraphModule, ranges: dict[Any, Any]) -> _Layouts:
+    """For each input of an export graph, in its flattened order: its name and, for a
+    tensor, its dtype and sizes. A dynamic size comes with the range export traced it
+    for (``range_constraints``): without :func:`_size_oblivious` export assumes a dynamic
+    size is at least 2 and may take a branch that is wrong for 1 (``if x.shape[0] > 1``)
+    without leaving a guard for it, so a size outside the range is refused like a fixed
+    size that differs."""
+    from torch.utils._sympy.numbers import int_oo
+
+    def size_range(size: torch.SymInt) -> tuple[int, int | None]:
+        bounds = ranges.get(size.node.expr)
+        if bounds is None:
+            return (2, None)
+        try:
+            lowest = max(0, int(bounds.lower))
+        except (TypeError, ValueError):
+            lowest = 2
+        try:
+            highest = None if bounds.upper == int_oo else int(bounds.upper)
+        except (TypeError, ValueError, OverflowError):
+            highest = None
+        return (lowest, highest)
+
+    layouts: _Layouts = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            layouts.append((node.name, None))
+            continue
+        sizes = tuple(d if isinstance(d, int) else size_range(d) for d in value.shape)
+        layouts.append((node.name, (value.dtype, sizes)))
+    return layouts
+
+
+def _keep_assignments(
+    gm: fx.GraphModule, watch: _Watch, fx_failure: tuple[str, BaseException] | str | None
+) -> tuple[str, ...]:
+    """Check that the export graph keeps every buffer assignment the forward made, and
+    return the assigned buffers' names.
+
+    Non-strict export turns ``self.steps = self.steps + 1`` into an in-place
+    ``copy_(steps, new)`` at the end of the graph: the values advance as in eager, but the
+    tensor object stays the same. Export drops an assignment to a parameter, and may drop
+    one next to a ``no_grad`` region; an in-place copy cannot change a buffer's shape or
+    dtype (a table rebuilt for a new size). Each of those is refused with a
+    :class:`TraceError` naming the line. A copy in place would also change the tensor
+    that autograd saved where the forward read the old value (``h * self.steps`` before
+    the assignment; eager saved the old object, which no one changes), so the reads of a
+    buffer the graph copies into read a clone of it, made where the graph first reads it.
+    That holds for every such copy: export also writes one for ``self.mask =
+    self.mask.to(x.dtype)``, which puts back the very tensor the slot holds."""
+    copies: dict[str, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if (
+            node.op == "call_function"
+            and node.target is torch.ops.aten.copy_.default
+            and isinstance(node.args[0], fx.Node)
+            and node.args[0].op == "get_attr"
+        ):
+            copies[str(node.args[0].target)] = node
+    sightings = _unique(watch.assignments)
+    lost = [
+        s for s in sightings
+        if s.parameter or s.slot not in copies or not _same_layout(gm, copies[s.slot])
+    ]
+    if lost:
+        first = lost[0]
+        reason = (
+            "the forward assigns a registered buffer or parameter ("
+            + "; ".join(s.describe() for s in lost)
+            + "), which torch.export does not keep as an in-place update of the same "
+            "buffer (a parameter, another shape or dtype, or dropped by export), and fx "
+            "cannot keep it either in code that cannot run as a leaf; update the buffer in "
+            "place instead (self.buf.copy_(...) or self.buf.add_(...))"
+        )
+        in_root = isinstance(fx_failure, tuple) and not fx_failure[0]
+        raise TraceError(
+            first.module, first.location, first.source_line, reason, in_root_code=in_root
+        )
+    for copy_node in copies.values():  # also those export made of a no-op assignment
+        _read_a_clone(gm.graph, copy_node)
+    return tuple(sorted({str(s.slot) for s in sightings}))
+
+
+def _same_layout(gm: fx.GraphModule, copy_node: fx.Node) -> bool:
+    """Whether the value ``copy_node`` writes has the shape and dtype of the buffer it
+    writes (a static shape: a size that follows the input cannot be copied in place)."""
+    value = copy_node.args[1]
+    new = value.meta.get("val") if isinstance(value, fx.Node) else None
+    if not isinstance(new, torch.Tensor):
+        return True  # unknown: the copy itself checks at run time
+    try:
+        held = gm.get_buffer(str(copy_node.args[0].target))
+    except AttributeError:
+        return False
+    sizes = tuple(new.shape)
+    return (
+        new.dtype == held.dtype
+        and all(isinstance(d, int) for d in sizes)
+        and sizes == tuple(held.shape)
+    )
+
+
+def _read_a_clone(graph: fx.Graph, copy_node: fx.Node) -> None:
+    """Make the graph's reads of the buffer ``copy_node`` updates read a clone taken before
+    the first of them (see :func:`_keep_assignments`). Left as it is when a reader may
+    write it (an in-place op, a higher-order op) or reads it after the copy (the forward's
+    own ``self.buf.copy_(...)`` followed by a read of the new values): those must reach the
+    buffer itself."""
+    attr = copy_node.args[0]
+    assert isinstance(attr, fx.Node)
+    readers = [user for user in attr.users if user is not copy_node]
+    if not readers:
+        return
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for reader in readers:
+        target = reader.target
+        if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+            return
+        if order[reader] > order[copy_node]:
+            return
+    first = min(readers, key=order.__getitem__)
+    with graph.inserting_before(first):
+        clone = graph.call_function(torch.ops.aten.clone.default, (attr,))
+    if "val" in attr.meta:
+        clone.meta["val"] = attr.meta["val"]
+    for reader in readers:
+        reader.replace_input_with(attr, clone)
+
+
+def _check_export_kept(
+    model: nn.Module,
+    watch: _Watch,
+    moved: tuple[str, ...],
+    fx_failure: tuple[str, BaseException] | str | None,
+) -> None:
+    """Refuse an export graph that does not run what the model runs. Export traces on fake
+    tensors, so a torch draw stays an operator of the graph, but a draw from Python's
+    ``random`` or NumPy runs once and its value is baked in (any generator that moved
+    while exporting drew for real). A mode switch that changes nothing while export traces
+    (``enable_grad`` with grad already on, matters only under a caller's ``no_grad``) and
+    ``inference_mode`` leave no trace in its graph; ``no_grad`` and ``set_grad_enabled``
+    regions that do change the mode are kept (``wrap_with_set_grad_enabled``), as are
+    ``autocast`` regions."""
+    in_root = isinstance(fx_failure, tuple) and not fx_failure[0]
+    drawn = {d.generator for d in watch.draws}
+    moved = tuple(g for g in moved if g not in watch.internal or g in drawn)
+    if moved:
+        draws = [d for d in watch.draws if d.generator in moved]
+        if not draws:
+            location, line = _definition(type(model).forward)
+            what = "a draw from " + ", ".join(_GENERATOR_NAMES.get(g, g) for g in moved)
+            draws = [_Sighting("", what, location, line, moved[0])]
+        first = draws[0]
+        reason = (
+            "the forward draws random numbers in Python ("
+            + "; ".join(d.describe() for d in draws)
+            + "): torch.export ran the draw once and baked its value into the graph, and fx "
+            "cannot keep it either in code that cannot run as a leaf"
+        )
+        raise TraceError(
+            first.module, first.location, first.source_line, reason, in_root_code=in_root
+        )
+    lost = [
+        s
+        for s in watch.switches
+        if s.what == "torch.inference_mode" or (s.before is not None and s.before == s.after)
+    ]
+    if lost:
+        first = lost[0]
+        reason = (
+            "the forward switches the autograd mode in a way torch.export does not record ("
+            + "; ".join(s.describe() for s in lost)
+            + ": a switch that changes nothing while it traces, or inference_mode), and fx "
+            "cannot keep it either in code that cannot run as a leaf"
+        )
+        raise TraceError(
+            first.module, first.location, first.source_line, reason, in_root_code=in_root
+        )
 
 
 INPUT_CHECK = "_autockpt_check_inputs"
@@ -514,27 +1361,68 @@ INPUT_CHECK = "_autockpt_check_inputs"
 capture's input guards reach the rewritten module."""
 
 
-def _input_check(guards: list[Any], in_spec: Any, planned: str) -> Callable[[tuple, dict], None]:
-    """Export specialises its graph to the example shapes and non-tensor inputs (a view to
-    ``[4, -1]``); another batch shape would fail deep inside the graph with an
-    unrelated message, or not at all. Export's own guards say it up front; this check runs
-    them on every call of the optimized model and raises a typed error that says what to do."""
+def _input_check(
+    guards: list[Any],
+    in_spec: Any,
+    planned: str,
+    layouts: _Layouts,
+) -> Callable[[tuple, dict], None]:
+    """Export specialises its graph to the example's dtypes, to the sizes it could not
+    keep dynamic (all of them when exported with static shapes) and to non-tensor inputs
+    (a view to ``[4, -1]``); another shape would fail deep inside the graph with an
+    unrelated message, or not at all. This check runs on every call of the optimized model
+    before the graph: each tensor's dtype, rank, fixed sizes and the range of each dynamic
+    size (:func:`_input_layouts`), then export's own guards (relations between sizes), and
+    raises a typed error that says what to do. Whether a size is larger than planned is
+    the rewrite's check, the same as for fx graphs (``on_larger_input``)."""
     from torch.fx._pytree import tree_flatten_spec
+
+    dynamic = any(
+        layout is not None and any(isinstance(size, tuple) for size in layout[1])
+        for _, layout in layouts
+    )
+    specialised = (
+        "its graph takes other sizes only where torch.export kept them dynamic"
+        if dynamic
+        else "its graph is specialised to them"
+    )
+
+    def refuse(detail: str) -> None:
+        raise PlanMismatchError(
+            f"this optimized model was planned for inputs {planned} and {specialised} "
+            f"({detail}); give inputs of the planned shape there (e.g. drop_last=True, "
+            "padding to the planned length) or plan again for this one"
+        )
 
     def check_inputs(args: tuple, kwargs: dict) -> None:
         try:
             flat = tree_flatten_spec((list(args), kwargs), in_spec)
         except Exception:  # noqa: BLE001 - the graph's own input handling reports it
             return
+        if len(flat) == len(layouts):
+            for (name, layout), value in zip(layouts, flat, strict=True):
+                if layout is None or not isinstance(value, torch.Tensor):
+                    continue
+                dtype, sizes = layout
+                if value.dtype != dtype or value.dim() != len(sizes):
+                    shape = f"{list(value.shape)}:{str(value.dtype).removeprefix('torch.')}"
+                    refuse(f"{name} is {shape}; the graph takes rank {len(sizes)} {dtype}")
+                for d, (got, want) in enumerate(zip(value.shape, sizes, strict=True)):
+                    if isinstance(want, int) and got != want:
+                        refuse(f"{name} has size {got} in dimension {d}, fixed at {want}")
+                    if isinstance(want, tuple) and not (
+                        want[0] <= got and (want[1] is None or got <= want[1])
+                    ):
+                        bounds = f"{want[0]}..{'' if want[1] is None else want[1]}"
+                        refuse(
+                            f"{name} has size {got} in dimension {d}; torch.export traced "
+                            f"that dynamic size for {bounds}"
+                        )
         for guard in guards:
             try:
                 guard(*flat)
             except AssertionError as error:
-                raise PlanMismatchError(
-                    f"this optimized model was planned for inputs {planned} and its graph "
-                    f"is specialised to them ({error}); give batches of that shape (e.g. "
-                    "drop_last=True) or plan again for this one"
-                ) from None
+                refuse(str(error))
 
     return check_inputs
 
@@ -607,11 +1495,16 @@ def _check_leaf_names(model: nn.Module, leaves: set[str]) -> None:
 
 
 def _trace_error(module: str, error: BaseException, also: BaseException | None = None) -> TraceError:
-    location, line = _user_frame(error)
-    reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if isinstance(error, _Unfaithful):
+        location, line = error.location, error.source_line
+        reason = f"its own code {error}"
+    else:
+        location, line = _user_frame(error)
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     if also is not None:
         reason += f"; torch.export also failed: {type(also).__name__}: {str(also).splitlines()[0] if str(also) else ''}"
-    return TraceError(module, location, line, reason)
+    # fx failed in the root's own code and export was tried too: nothing reaches inside
+    return TraceError(module, location, line, reason, in_root_code=not module and also is not None)
 
 
 def _user_frame(error: BaseException) -> tuple[str, str]:

@@ -41,9 +41,11 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 __all__ = [
     "HF_HELD_OUT",
     "HF_ZOO",
+    "INPUT_KINDS",
     "bert",
     "convnext",
     "distilbert",
+    "from_config",
     "gpt2",
     "gpt_neox",
     "llama",
@@ -509,3 +511,101 @@ HF_HELD_OUT: dict[str, ModelFactory] = {
 }
 """Architectures kept out of development: run the same checks to see whether capture
 generalises (results in docs/models.md)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# any architecture from a config (the survey's builders: benchmarks/survey.py)
+
+INPUT_KINDS = (
+    "causal",
+    "masked",
+    "classify",
+    "seq2seq",
+    "image",
+    "audio",
+    "whisper",
+    "speech2text",
+    "spectrogram",
+)
+"""What :func:`from_config` feeds a model, by kind of head: ``causal`` (tokens, labels = the
+tokens), ``masked`` (tokens, every other position scored), ``classify`` (tokens, one class
+per sequence), ``seq2seq`` (tokens, label tokens half as long), ``image`` (pixels, a class),
+``audio`` (a waveform, a class), ``whisper`` (mel features ``(batch, mel_bins, frames)``,
+label tokens), ``speech2text`` (features ``(batch, frames, mel_bins)``, label tokens),
+``spectrogram`` (``(batch, frames, mel_bins)``, a class)."""
+
+_SPECIAL_TOKENS = 3  # ids 0, 1, 2 are pad / bos / eos in every config here: text avoids them
+
+
+def from_config(
+    config: str,
+    model: str,
+    inputs: str,
+    *,
+    batch: int = 4,
+    seq_len: int = 32,
+    image: int = 32,
+    samples: int = 4000,
+    mel_bins: int = 16,
+    frames: int = 64,
+    num_labels: int = 10,
+    seed: int = 0,
+    **settings: Any,
+) -> tuple[nn.Module, dict[str, Tensor]]:
+    """``transformers.<model>(transformers.<config>(**settings))`` under ``seed``, in training
+    mode, with a batch of the given ``inputs`` kind (:data:`INPUT_KINDS`) whose output carries
+    the loss. One builder for every architecture a survey names by its class names, so a new
+    architecture is a row of settings rather than a function.
+
+    Text kinds draw tokens from ``settings["vocab_size"]`` (default 256) avoiding ids 0-2,
+    which the settings should make pad / bos / eos; one sequence is padded in the mask.
+    ``image`` sets ``image_size`` (when not given) and ``num_labels``; the audio kinds set the
+    config's feature sizes from ``mel_bins`` and ``frames``.
+    """
+    if inputs not in INPUT_KINDS:
+        raise ValueError(f"inputs must be one of {INPUT_KINDS}, got {inputs!r}")
+    vocab = int(settings.get("vocab_size", _VOCAB))
+    classes = inputs in ("classify", "image", "audio", "spectrogram")
+    if classes:
+        settings.setdefault("num_labels", num_labels)
+    if inputs == "image":
+        settings.setdefault("image_size", image)
+    elif inputs == "whisper":
+        settings.setdefault("num_mel_bins", mel_bins)
+        settings.setdefault("max_source_positions", frames // 2)  # two strided convolutions
+    elif inputs == "speech2text":
+        settings.setdefault("input_feat_per_channel", mel_bins)
+    elif inputs == "spectrogram":
+        settings.setdefault("num_mel_bins", mel_bins)
+        settings.setdefault("max_length", frames)
+    built = _build(getattr(transformers, config), getattr(transformers, model), seed, **settings)
+    example: dict[str, Tensor] = {}
+    if inputs in ("causal", "masked", "classify", "seq2seq"):
+        ids = torch.randint(_SPECIAL_TOKENS, vocab, (batch, seq_len))
+        mask = torch.ones(batch, seq_len, dtype=torch.long)
+        mask[0, -seq_len // 4 :] = 0  # one padded sequence: the mask really matters
+        example = {"input_ids": ids, "attention_mask": mask}
+    elif inputs == "image":
+        example = {"pixel_values": torch.randn(batch, 3, image, image)}
+    elif inputs == "audio":
+        example = {"input_values": torch.randn(batch, samples)}
+    elif inputs == "whisper":
+        example = {"input_features": torch.randn(batch, mel_bins, frames)}
+    elif inputs == "speech2text":
+        example = {
+            "input_features": torch.randn(batch, frames, mel_bins),
+            "attention_mask": torch.ones(batch, frames, dtype=torch.long),
+        }
+    else:  # spectrogram
+        example = {"input_values": torch.randn(batch, frames, mel_bins)}
+    if inputs == "causal":
+        example["labels"] = example["input_ids"].clone()
+    elif inputs == "masked":
+        labels = example["input_ids"].clone()
+        labels[:, ::2] = -100  # only every other position is scored, as in masked LM
+        example["labels"] = labels
+    elif classes:
+        example["labels"] = torch.randint(0, num_labels, (batch,))
+    else:  # seq2seq, whisper, speech2text: decoder inputs are shifted from the labels
+        example["labels"] = torch.randint(_SPECIAL_TOKENS, vocab, (batch, max(2, seq_len // 2)))
+    return built, example

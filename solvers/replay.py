@@ -115,6 +115,11 @@ class MemoryTrace:
     last_pack: tuple[int, ...] = ()
     """Per compute node, how many events precede its last save for backward (-1 when it
     saves nothing or it is unknown): a checkpoint's recompute stops there (early stop)."""
+    buffer_bytes: tuple[tuple[str, int], ...] = ()
+    """``(name, bytes)`` of every buffer as the step leaves it. A forward may replace a
+    buffer (a table built on the first call), and a checkpoint snapshots the buffers it
+    restores as it finds them: the caller sizes those stashes (``preserve_rng`` as bytes)
+    from this, not from the buffer before the step. Not replayed itself."""
 
     def eager_peak_bytes(self) -> int:
         """The recorded step's own peak (static part included)."""
@@ -284,6 +289,16 @@ class Replayer:
         last_pack[: len(packs)] = packs
         self._fwd_window, self._bwd_first, self._bwd_last = fwd_window, bwd_first, bwd_last
         self._fwd_lo, self._fwd_hi, self._last_pack = fwd_lo, fwd_hi, last_pack
+        # A checkpoint's frame (its inputs, its stashes) lives while a tensor one of its
+        # nodes saved does, and it recomputes at the first unpack: only the backward
+        # windows of nodes that save count for a segment (rule 4). Unknown saves: all may.
+        saves = np.ones(n + 1, bool)
+        if trace.last_pack:
+            saves[:n] = [
+                (i < len(packs) and packs[i] >= 0) or bool(trace.saved[i]) for i in range(n)
+            ]
+        self._save_bwd_first = np.where(saves, bwd_first, _NO_WINDOW)
+        self._save_bwd_last = np.where(saves, bwd_last, -1)
         end_last_bwd = np.where(bwd_last >= 0, end[np.maximum(bwd_last, 0)], -1) if nw else bwd_last
 
         # Allocations in the order the rules list them (first occurrence).
@@ -343,8 +358,9 @@ class Replayer:
             for a in allocations:
                 readers.setdefault(a, []).append(i)
         outputs = set(trace.output_allocations)
-        keep_eager = np.zeros(nf, bool)  # a graph output or nothing saves it
+        keep_eager = np.zeros(nf, bool)  # a graph output, nothing saves it, or it outlives the step
         last_reader_end = np.full(nf, -1, _I64)
+        last_reader = np.full(nf, -1, _I64)  # its last reader, a graph output: n
         held_owner: list[int] = []
         held_node: list[int] = []
         saver_owner: list[int] = []
@@ -354,9 +370,10 @@ class Replayer:
         for x, i in enumerate(fa.tolist()):
             a, p = ids[i], int(producer[x])
             reading, saving = readers.get(a, []), savers.get(a, [])
-            keep_eager[x] = a in outputs or not saving
+            keep_eager[x] = a in outputs or not saving or a not in free_event
             later = [j for j in reading if j >= p]
             last = max([p, *later])
+            last_reader[x] = n if a in outputs else last
             w = int(fwd_window[last])
             last_reader_end[x] = end[w] if w >= 0 else -2
             both = reading + saving
@@ -368,6 +385,7 @@ class Replayer:
             reader_node += later
         self._f_keep_eager = keep_eager
         self._f_last_reader_end = last_reader_end
+        self._f_last_reader = last_reader
         self._held_owner = np.asarray(held_owner, _I64)
         self._held_node = np.asarray(held_node, _I64)
         self._held_group = _group(self._held_owner)
@@ -399,7 +417,7 @@ class Replayer:
         self._f_freed = np.flatnonzero(self._f_free >= 0)
         empty = np.zeros(0, _I64)
         self._no_blocks = _Layout(self._dense, np.zeros(nw, _I64), empty, empty, empty)
-        self._segment_facts: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+        self._segment_facts: dict[tuple[int, int], tuple[int, ...]] = {}
 
     # -- public -----------------------------------------------------------------------------
 
@@ -495,21 +513,25 @@ class Replayer:
                 segment_of[i] = k
         return segs
 
-    def _facts(self, first: int, stop: int) -> tuple[int, int, int, int, int]:
-        """What the rules need of segment ``[first, stop)``: its first backward window and
-        the end of its backward (-1: none), where its recompute stops (-1: never early),
-        the first event of its forward and its recompute block's size (0: no recompute)."""
+    def _facts(self, first: int, stop: int) -> tuple[int, ...]:
+        """What the rules need of segment ``[first, stop)``: the first backward window and
+        the end of the backward of its saving nodes (-1: none; rule 4), where its recompute
+        stops (-1: never early), the first event of its forward, its recompute block's size
+        (0: no recompute), the last event of its forward and the end of its forward."""
         found = self._segment_facts.get((first, stop))
         if found is None:
-            last_bwd = int(self._bwd_last[first:stop].max())
+            last_bwd = int(self._save_bwd_last[first:stop].max())
             hi = int(self._fwd_hi[first:stop].max())
             lo = int(self._fwd_lo[first:stop].min()) if hi >= 0 else 0
+            last_fwd = int(self._fwd_window[first:stop].max())
             found = (
-                int(self._bwd_first[first:stop].min()) if last_bwd >= 0 else -1,
+                int(self._save_bwd_first[first:stop].min()) if last_bwd >= 0 else -1,
                 int(self._end[last_bwd]) if last_bwd >= 0 else -1,
                 int(self._last_pack[first:stop].max()),
                 lo,
                 2 * (hi - lo) + 4 if last_bwd >= 0 else 0,
+                hi,
+                int(self._end[last_fwd]) if last_fwd >= 0 else -1,
             )
             self._segment_facts[(first, stop)] = found
         return found
@@ -540,10 +562,10 @@ class Replayer:
         np.add.at(mark, firsts, tags)
         np.add.at(mark, stops, -tags)
         segment_of = np.cumsum(mark)[:n] - 1
-        facts = np.array([self._facts(f, s) for f, s in segs], dtype=_I64).reshape(count, 5)
+        facts = np.array([self._facts(f, s) for f, s in segs], dtype=_I64).reshape(count, 7)
         # Per segment, index -1 (no segment) is a sentinel row.
-        seg_first_bwd, seg_end, seg_stop, seg_lo, seg_size = np.vstack(
-            (facts, (-1, -1, -1, 0, 0))
+        seg_first_bwd, seg_end, seg_stop, seg_lo, seg_size, seg_hi, seg_fwd_end = np.vstack(
+            (facts, (-1, -1, -1, 0, 0, -1, -1))
         ).T
         has_bwd = seg_end[:count] >= 0
         # Recompute blocks, in time order (the first backward windows are distinct).
@@ -630,11 +652,18 @@ class Replayer:
             eager_free = np.where(
                 has_inside, np.where(freer_inside, self._f_free[c], inside_end), -1
             )
-            # ... or in half steps of the recompute (2x: event x, 2x+1: right after it).
+            # ... or in half steps of the recompute (2x: event x, 2x+1: right after it). An
+            # output of the segment (read after it, or the graph's) is held by the
+            # segment's code until the recompute stops or ends.
+            output = self._f_last_reader[c] >= stops[k]
             half = np.where(
                 has_inside,
                 2 * e + 1,
-                np.where(freed_inside, 2 * self._f_free_event[c], 2 * after_last + 1),
+                np.where(
+                    freed_inside,
+                    2 * self._f_free_event[c],
+                    np.where(output, 2 * seg_hi[k] + 1, 2 * after_last + 1),
+                ),
             )
             early = seg_stop[k]
             half = np.where((early >= 0) & (half > 2 * early - 1), 2 * early - 1, half)
@@ -665,10 +694,10 @@ class Replayer:
                 rbase = 4 * self._num_allocations + 4 * ks
                 pos.append(combined(woff[window]))
                 delta.append(each)
-                with_bwd = has_bwd[ks]
-                b = ks[with_bwd]
-                pos.append(combined(seg_end[b]))
-                delta.append(-each[with_bwd])
+                # freed with the checkpoint's frame: after the backward of its saving
+                # nodes, or as its forward returns when none saves (rule 4)
+                pos.append(combined(np.where(has_bwd[ks], seg_end[ks], seg_fwd_end[ks])))
+                delta.append(-each)
                 with_recompute = block_start[ks] >= 0
                 r = ks[with_recompute]
                 pos += [block_start[r], block_start[r] + seg_size[r] - 1]
@@ -676,7 +705,7 @@ class Replayer:
                 if ranks:
                     rank += [
                         rbase,
-                        4 * self._num_allocations + 4 * b + 1,
+                        rbase + 1,
                         4 * self._num_allocations + 4 * r + 2,
                         4 * self._num_allocations + 4 * r + 3,
                     ]

@@ -7,19 +7,20 @@ from torch import nn
 
 
 class ValueBranch(nn.Module):
-    """Branches on a tensor *value* in the root's own code: neither fx nor export can
-    capture it, so autockpt must name this file and line."""
+    """Branches on a tensor *value* in the root's own code and holds its weights itself (no
+    submodule to plan inside instead): neither fx nor export can capture it, so autockpt
+    must name this file and line."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
+        self.a = nn.Parameter(torch.randn(16, 16) / 4)
+        self.b = nn.Parameter(torch.randn(16, 16) / 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
+        h = x @ self.a
         if x.sum() > 0:
             h = h * 2
-        return self.b(h)
+        return h @ self.b
 
 
 def value_branch() -> tuple[nn.Module, torch.Tensor]:

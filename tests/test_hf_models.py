@@ -155,19 +155,23 @@ def test_model_with_cache_on_captures_and_trains_like_eager() -> None:
     assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(fast, inputs))
 
 
-def test_export_plan_refuses_other_input_shapes_with_a_clear_error() -> None:
-    """An export graph is specialised to the planned shapes; a smaller last batch must be
-    refused up front with a typed error, also on a deep copy, while evaluation mode (the
-    user's own forward) takes any shape."""
+def test_export_plan_refuses_inputs_its_graph_cannot_take_with_a_clear_error() -> None:
+    """An export graph takes other batch and sequence sizes where torch.export kept them
+    dynamic, but is specialised to the example's dtypes: int32 token ids must be refused up
+    front with a typed error, also on a deep copy, while evaluation mode (the user's own
+    forward) takes them. (Sizes: tests/test_trace_shapes.py.)"""
     model, inputs = HF_ZOO["hf_gpt2"]()
     captured = capture(model, Inputs.of(inputs))
+    assert "input_ids[0]" in captured.dynamic_dims
     fast = rewrite(model, captured, [SegmentSpec(10, 60, preserve_rng=True)])
     smaller = {name: value[:2] for name, value in inputs.items()}
+    smaller["input_ids"] = smaller["input_ids"].to(torch.int32)
     with pytest.raises(PlanMismatchError, match="drop_last"):
         fast(**smaller)
     with pytest.raises(PlanMismatchError, match="drop_last"):
         copy.deepcopy(fast)(**smaller)
     fast(**inputs).loss.backward()  # the planned shape still runs
+    fast(**{name: value[:2] for name, value in inputs.items()}).loss.backward()  # and a smaller
     fast.eval()
     with torch.no_grad():
         assert fast(**smaller).logits.shape[0] == 2

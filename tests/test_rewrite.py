@@ -19,7 +19,7 @@ import autockpt.rewrite as rewrite_module
 from autockpt.api import _buffers_used
 from autockpt.problem import Chain, build_chain
 from autockpt.profile import Profile, profile
-from autockpt.rewrite import SEGMENT_PREFIX, CheckpointSegment, SegmentSpec, rewrite
+from autockpt.rewrite import CheckpointSegment, SegmentSpec, rewrite, segments_of
 from autockpt.trace import Capture, Inputs, capture
 from tests.conftest import assert_same_step, train_step
 
@@ -239,7 +239,7 @@ def test_any_segmentation_trains_like_eager(name, data):
     specs = _segments(case, labels)
     eager = case.eager_copy()
     fast = rewrite(case.model, case.capture, specs)
-    segments = [m for n, m in fast.named_children() if n.startswith(SEGMENT_PREFIX)]
+    segments = list(segments_of(fast).values())
     assert [(m.spec.first, m.spec.end) for m in segments] == [(s.first, s.end) for s in specs]
     assert_same_step(_step(eager, case), _step(fast, case))
 
@@ -296,9 +296,11 @@ def test_state_dict_keys_and_parameter_order_are_the_originals(name):
     assert [id(p) for p in fast.parameters()] == [id(p) for p in case.model.parameters()]
     assert [id(b) for b in fast.buffers()] == [id(b) for b in case.model.buffers()]
     assert [n for n, _ in fast.named_parameters()] == [n for n, _ in case.model.named_parameters()]
-    for segment in fast.children():
-        if isinstance(segment, CheckpointSegment):
-            assert list(segment.parameters()) == [] and list(segment.buffers()) == []
+    # the segments hold no tensors and are not registered: the module tree is the user's
+    assert [n for n, _ in fast.named_modules()] == [n for n, _ in case.model.named_modules()]
+    assert not any(isinstance(m, CheckpointSegment) for m in fast.modules())
+    for segment in segments_of(fast).values():
+        assert list(segment.parameters()) == [] and list(segment.buffers()) == []
     # and a state dict saved from the original loads into the result
     fast.load_state_dict(case.model.state_dict())
 

@@ -145,9 +145,16 @@ class _ReferenceReplay:
                 self.forward_window[win.node] = w
         first_backward: dict[int, int] = {}
         self.last_backward_of_segment: dict[int, int] = {}
+        # Only nodes that save hold a checkpoint's frame and trigger its recompute (unknown
+        # saves: every node may save).
+        packs = trace.last_pack
+        saves = [
+            not packs or (i < len(packs) and packs[i] >= 0) or bool(trace.saved[i])
+            for i in range(n)
+        ]
         for node, ws in self.backward_windows.items():
             k = self.segment_of[node]
-            if k >= 0:
+            if k >= 0 and saves[node]:
                 first_backward[k] = min(first_backward.get(k, ws[0]), ws[0])
                 last = self.last_backward_of_segment.get(k, ws[-1])
                 self.last_backward_of_segment[k] = max(last, ws[-1])
@@ -234,8 +241,9 @@ class _ReferenceReplay:
         and the end of the backward of each segment it enters."""
         eager_free = self.at(f) if f is not None else None
         saving = self.savers.get(a, [])
-        if a in self.graph_outputs or not saving:
-            return eager_free  # held by something the graph does not name (the loss, the caller)
+        if a in self.graph_outputs or not saving or f is None:
+            # held by something the graph does not name (the loss, the caller, the model)
+            return eager_free
         reasons: list[Position] = []
         freed_in = self.window_of(f)
         for j in saving:
@@ -298,6 +306,13 @@ class _ReferenceReplay:
                 free = max(ends) if ends else (slot, e + 0.5)
         elif freed_in is not None and freed_in.phase == FORWARD and first <= freed_in.node < stop:
             free = (slot, f)
+        elif a in self.graph_outputs or any(j >= stop for j in self.readers.get(a, [])):
+            # an output of the segment: its code holds it until the recompute stops or ends
+            last = max(
+                self.last_event_of_window.get(self.forward_window[j], -1)
+                for j in range(first, stop)
+            )
+            free = (slot, last + 0.5)
         else:
             inside_readers = [j for j in self.readers.get(a, []) if producer <= j < stop]
             last = self.forward_window[max([producer, *inside_readers])]
@@ -313,13 +328,16 @@ class _ReferenceReplay:
         size = self.trace.rng_state_bytes
         if not preserve_rng or not size:
             return out
-        for k, (first, _) in enumerate(self.segments):
+        for k, (first, stop) in enumerate(self.segments):
             if not preserve_rng[k]:
                 continue
             tag = -(1 << 40) - k
             out.append(((self.slot_of_window[self.forward_window[first]], -1.0), size, tag))
             if k in self.last_backward_of_segment:
                 out.append((self.end_of(self.last_backward_of_segment[k]), -size, tag))
+            else:  # no node saves: the checkpoint's frame dies as its forward returns
+                last = max(self.forward_window[j] for j in range(first, stop))
+                out.append((self.end_of(last), -size, tag))
             if k in self.recompute_slot:
                 slot = self.recompute_slot[k]
                 out.append(((slot, -1.0), size, tag))

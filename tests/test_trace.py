@@ -243,15 +243,12 @@ class NoGradBufferUpdate(nn.Module):
         return h - self.center
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fx tracing runs `with torch.no_grad():` at trace time and records nothing for it, so "
-    "the captured graph updates the buffer with grad enabled: the buffer becomes part of "
-    "the autograd graph (requires_grad=True, a grad_fn), and the second training step fails "
-    "with 'Trying to backward through the graph a second time'"))
 def test_grad_mode_blocks_inside_forward_are_kept():
+    # fx would record nothing for the root's `with torch.no_grad():`; export keeps it
     torch.manual_seed(0)
     model, x = NoGradBufferUpdate(), _x()
     cap = _capture(model, x)
+    assert cap.method == "export"
     for _ in range(2):
         run_graph(cap, model, Inputs.of(x)).sum().backward()
     assert not model.center.requires_grad

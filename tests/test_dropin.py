@@ -1,0 +1,313 @@
+"""Drop-in use: the front doors take what a training script has at hand.
+
+A bad budget is refused before any work; a model in eval mode is planned for training; an
+optimized model is planned again from the original; ``torch.compile`` composes both ways
+(after ``optimize``, and around the model given to it). Every case checks real behaviour:
+gradients equal to eager, allocator-measured peaks under the budget, segments that run.
+"""
+
+from __future__ import annotations
+
+import copy
+import fractions
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt import cli
+from autockpt.api import Planner
+from autockpt.errors import GIB, AutockptError, BudgetError, BudgetTypeError, CompileError
+from autockpt.rewrite import CheckpointSegment, is_checkpointed, segments_of
+from autockpt.zoo import gpt
+from tests.conftest import assert_same_step, train_step
+
+
+class Net(nn.Module):
+    """Linear -> BatchNorm -> ReLU -> Dropout blocks: every op whose behaviour depends on the
+    mode (batch statistics and running buffers, dropout), with activations well above the
+    parameters so that checkpointing matters."""
+
+    def __init__(self, width: int = 32, depth: int = 6, p: float = 0.1) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(p)
+            )
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def net(p: float = 0.1) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return Net(p=p).train(), torch.randn(256, 32)
+
+
+def _quiet_planner(model: nn.Module, inputs) -> Planner:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Planner(model, inputs)
+
+
+def _budget_gb(planner: Planner, fraction: float) -> float:
+    """A budget ``fraction`` of the way from the leanest plan's peak to no checkpointing."""
+    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+    return (low + fraction * (high - low)) / GIB
+
+
+@pytest.fixture(scope="module")
+def planned_net():
+    model, x = net()
+    return model, x, _quiet_planner(model, x)
+
+
+@pytest.fixture(scope="module")
+def planned_gpt():
+    model, inputs = gpt(layers=2, dropout=0.0)
+    return model, inputs, _quiet_planner(model, inputs)
+
+
+def _count_segment_calls(result: nn.Module) -> list[int]:
+    calls = [0]
+    for segment in segments_of(result).values():
+        assert isinstance(segment, CheckpointSegment)
+        segment.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+# -- 1. budgets: refused before capture, with a typed error -------------------------------------
+
+
+BAD_TYPES = ["8", True, None, torch.tensor(1.0)]
+BAD_VALUES = [0, 0.0, -1, -0.5, math.inf, -math.inf, math.nan, 1e300]
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(b, BudgetTypeError) for b in BAD_TYPES] + [(b, BudgetError) for b in BAD_VALUES],
+    ids=repr,
+)
+def test_bad_budget_is_refused_before_capture(budget, expected, monkeypatch):
+    def no_capture(*args, **kwargs):
+        raise AssertionError("capture ran before the budget was checked")
+
+    monkeypatch.setattr("autockpt.api.capture", no_capture)
+    model, x = net()
+    with pytest.raises(expected, match="budget_gb") as error:
+        autockpt.optimize(model, x, budget_gb=budget)
+    assert isinstance(error.value, AutockptError) and isinstance(error.value, ValueError)
+    if expected is BudgetTypeError:
+        assert isinstance(error.value, TypeError)
+    else:
+        assert "positive, finite" in str(error.value) and "frontier" in str(error.value)
+
+
+def test_string_budget_says_how_to_fix_it():
+    model, x = net()
+    with pytest.raises(BudgetTypeError, match=r"pass float\('8'\)"):
+        autockpt.optimize(model, x, budget_gb="8")
+
+
+@pytest.mark.parametrize("budget", ["8", True, 0, -1, math.nan, math.inf])
+def test_planner_refuses_bad_budget_before_solving(planned_net, budget, monkeypatch):
+    _, _, planner = planned_net
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("solved before the budget was checked")
+
+    monkeypatch.setattr(planner, "_search", no_search)
+    with pytest.raises(BudgetError):
+        planner.optimize(budget_gb=budget)
+
+
+def test_good_budgets_of_other_number_types_are_accepted(planned_net):
+    _, x, planner = planned_net
+    high = planner.no_checkpoint_peak_bytes
+    fast = planner.optimize(budget_gb=fractions.Fraction(2 * high, GIB), verify=False)
+    assert fast.plan.budget_bytes == 2 * high and not fast.plan.segments
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "eight"])
+def test_cli_refuses_bad_budget_as_a_usage_error(value, capsys, monkeypatch):
+    monkeypatch.setattr("autockpt.api.capture", lambda *a, **k: pytest.fail("captured"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "autockpt.zoo:gpt", "--budget-gb", value])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    assert "--budget-gb" in capsys.readouterr().err
+
+
+# -- 2. a model in eval mode ---------------------------------------------------------------------
+
+
+def test_model_in_eval_mode_is_planned_for_training(planned_net):
+    model, x, planner = planned_net
+    budget_gb = _budget_gb(planner, 0.1)
+    user = copy.deepcopy(model).eval()
+    user.blocks[0][2].train()  # a mixed tree (a ReLU): every module's mode comes back as found
+    modes = [m.training for m in user.modules()]
+    with pytest.warns(UserWarning, match=r"eval mode.*\.train\(\) on the result"):
+        fast = autockpt.optimize(user, x, budget_gb=budget_gb)
+    assert [m.training for m in user.modules()] == modes
+    assert not fast.training and fast.plan.segments
+    # In eval mode the result is the eval model (its original forward).
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), user(x))
+    # Training mode runs the plan: segments run, eager's step, within the budget.
+    fast.train()
+    calls = _count_segment_calls(fast)
+    assert_same_step(train_step(copy.deepcopy(model), x), train_step(fast, x))
+    assert calls[0] == len(fast.plan.segments)
+    measured = autockpt.measure(fast, x, repeat=0)
+    assert measured.peak_bytes <= fast.plan.budget_bytes
+
+
+def test_apply_to_a_model_in_eval_mode_plans_training(planned_net, tmp_path):
+    model, x, planner = planned_net
+    plan = planner.optimize(budget_gb=_budget_gb(planner, 0.1)).plan
+    user = copy.deepcopy(model).eval()
+    with pytest.warns(UserWarning, match="eval mode"):
+        again = autockpt.apply(user, plan, x)
+    assert not user.training and not again.training
+    again.train()
+    calls = _count_segment_calls(again)
+    assert_same_step(train_step(copy.deepcopy(model), x), train_step(again, x))
+    assert calls[0] == len(plan.segments)
+
+
+def test_model_in_training_mode_with_frozen_submodule_is_planned_as_it_is(planned_net):
+    # Root in training mode: nothing is switched (a frozen batch norm stays frozen).
+    model, x, _ = planned_net
+    user = copy.deepcopy(model)
+    user.blocks[2][1].eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        planner = Planner(user, x)
+    assert not [w for w in caught if "eval mode" in str(w.message)]
+    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.1))
+    assert not user.blocks[2][1].training
+    assert_same_step(train_step(copy.deepcopy(user), x), train_step(fast, x))
+
+
+# -- 3. optimize(optimize(m)) --------------------------------------------------------------------
+
+
+def test_optimizing_a_result_plans_the_original_again(planned_gpt):
+    model, inputs, planner = planned_gpt
+    first = planner.optimize(budget_gb=_budget_gb(planner, 0.2))
+    budget_gb = _budget_gb(planner, 0.6)
+    second = autockpt.optimize(first, inputs, budget_gb=budget_gb)
+    assert second.plan.budget_bytes == int(budget_gb * GIB)
+    assert second.plan.graph_fingerprint == first.plan.graph_fingerprint  # the original's graph
+    assert type(second) is type(first) and is_checkpointed(second)
+    assert [id(p) for p in second.parameters()] == [id(p) for p in model.parameters()]
+    assert list(second.state_dict()) == list(model.state_dict())
+    assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(second, inputs))
+    assert autockpt.measure(second, inputs, repeat=0).peak_bytes <= second.plan.budget_bytes
+    # apply takes a result too: the plan goes onto the original.
+    again = autockpt.apply(second, first.plan, inputs)
+    assert again.plan == first.plan
+    assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(again, inputs))
+
+
+# -- 4. torch.compile ----------------------------------------------------------------------------
+
+
+def _strip_compiled(step: dict) -> dict:
+    """A step through a ``torch.compile`` wrapper, with the wrapper's name prefix dropped."""
+    for key in ("grads", "buffers"):
+        step[key] = {name.removeprefix("_orig_mod."): v for name, v in step[key].items()}
+    return step
+
+
+@pytest.fixture
+def fresh_dynamo():
+    # Every rewrite generates new code, and dynamo recompiles a class's forward for each
+    # (up to its recompile limit per process): start each compile test from a clean cache.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_result_trains_like_eager(planned_net, fresh_dynamo):
+    # Batch norm's running statistics are the buffers a segment restores in eager mode;
+    # under compile no context_fn is passed (compile accepts none but dispatch modes) and
+    # the functionalized graph updates them once per step. Dropout is recomputed with the
+    # forward's mask.
+    model, x, planner = planned_net
+    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.1))
+    assert any(seg.restore_buffers for seg in fast.plan.segments)
+    assert any(seg.preserve_rng for seg in fast.plan.segments)
+    compiled = torch.compile(fast, backend="aot_eager")
+    expected = train_step(copy.deepcopy(model), x)
+    assert_same_step(expected, _strip_compiled(train_step(compiled, x)))
+    # Checkpointing takes effect under compile: the compiled step keeps less than the
+    # compiled model without a plan.
+    plain = autockpt.measure(torch.compile(copy.deepcopy(model), backend="aot_eager"), x, repeat=0)
+    checkpointed = autockpt.measure(compiled, x, repeat=0)
+    eager_saving = planner.no_checkpoint_peak_bytes - fast.plan.predicted_peak_bytes
+    assert plain.peak_bytes - checkpointed.peak_bytes >= 0.5 * eager_saving
+
+
+def test_segments_without_buffers_pass_no_context_fn(planned_gpt, monkeypatch):
+    _, inputs, planner = planned_gpt
+    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
+    seen = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def spy(fn, *args, **kwargs):
+        seen.append("context_fn" in kwargs)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr("autockpt.rewrite.checkpoint", spy)
+    fast(*inputs)[1].backward()
+    assert seen == [False] * len(fast.plan.segments)
+
+
+def test_optimize_keeps_the_models_torch_compile(planned_net, fresh_dynamo):
+    model, x, planner = planned_net
+    budget_gb = _budget_gb(planner, 0.5)
+    given = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    fast = autockpt.optimize(given, x, budget_gb=budget_gb)
+    assert type(fast) is type(given) and fast.dynamo_ctx is given.dynamo_ctx
+    assert is_checkpointed(fast._orig_mod) and fast.plan.segments
+    # Verified as handed back: compiled.
+    assert fast.plan.measured_peak_bytes <= fast.plan.budget_bytes
+    assert autockpt.measure(fast, x, repeat=0).peak_bytes <= fast.plan.budget_bytes
+    expected = train_step(copy.deepcopy(model), x)
+    assert_same_step(expected, _strip_compiled(train_step(fast, x)))
+
+
+def test_model_compiled_in_place_is_refused_before_capture(monkeypatch):
+    monkeypatch.setattr("autockpt.api.capture", lambda *a, **k: pytest.fail("captured"))
+    model, x = net()
+    model.compile(backend="aot_eager")
+    with pytest.raises(CompileError, match=r"torch.compile\(model\) before optimize"):
+        autockpt.optimize(model, x, budget_gb=1.0)
+
+
+@pytest.mark.slow
+def test_compiled_result_with_inductor(fresh_dynamo):
+    # Inductor generates C++ on the CPU (a compiler is needed) and takes tens of seconds.
+    # Its kernels reassociate sums, so gradients are compared with a looser tolerance.
+    model, x = net(p=0.0)
+    planner = _quiet_planner(model, x)
+    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.1))
+    compiled = torch.compile(fast, backend="inductor")
+    expected = train_step(copy.deepcopy(model), x)
+    got = _strip_compiled(train_step(compiled, x))
+    torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-4, atol=1e-5)
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-3, atol=1e-5, msg=name)
+    for name, buffer in expected["buffers"].items():
+        torch.testing.assert_close(got["buffers"][name], buffer, rtol=1e-4, atol=1e-5, msg=name)
+    plain = autockpt.measure(torch.compile(copy.deepcopy(model), backend="inductor"), x, repeat=0)
+    assert autockpt.measure(compiled, x, repeat=0).peak_bytes < plain.peak_bytes
