@@ -11,6 +11,9 @@ __version__ = "0.1.0"
 from autockpt.api import apply, optimize  # noqa: E402
 from autockpt.errors import (  # noqa: E402
     AutockptError,
+    BudgetError,
+    BudgetTypeError,
+    CompileError,
     InfeasibleBudgetError,
     PlanFormatError,
     PlanMismatchError,
@@ -23,6 +26,9 @@ from autockpt.plan import MemoryBreakdown, Plan, Segment  # noqa: E402
 
 __all__ = [
     "AutockptError",
+    "BudgetError",
+    "BudgetTypeError",
+    "CompileError",
     "InfeasibleBudgetError",
     "Measurement",
     "MemoryBreakdown",

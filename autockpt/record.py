@@ -35,6 +35,20 @@ docstring for why a replay of recorded allocations. How a step is recorded, and 
    float32) gets a backward window of its own without workspace: the probe measures each
    node's kernels without these conversions (:class:`autockpt.precision.AutocastCasts`),
    which in the step may run after the node's saved tensors are freed, or not.
+5. **Buffers as the step leaves them.** A forward may replace a registered buffer (a table
+   built on the first call, as timm's ConViT does); a checkpoint restoring it snapshots it
+   as it finds it. The trace keeps every buffer's bytes at the end of the step
+   (``MemoryTrace.buffer_bytes``), which sizes those snapshots, not the placeholder the
+   model held before (measured 4092 bytes low on a 32x32 table).
+6. **Where a backward lets go of a saved tensor.** Eager keeps a saved tensor until its
+   autograd node releases what it saved, after the engine has reduced the gradients the
+   formula returned (a bias gradient summed over the batch); a checkpoint's recomputed
+   copy dies as the formula returns. In backward, each saved activation is handed to its
+   formula as a stand-in of the same sizes and strides with a storage of its own (fake: no
+   memory); where the last stand-in of an allocation dies is kept
+   (``MemoryTrace.unpacked``) and the stand-ins leave no event. Where a probe workspace
+   spans the window, the allocator's peak within it is unknown, and the copy keeps the
+   original's free (a rescheduled free could fall before the true peak).
 """
 
 from __future__ import annotations
@@ -177,11 +191,13 @@ def _hold_cached_casts(trace: MemoryTrace, cached: set[int]) -> MemoryTrace:
     latest = [0] * (len(trace.events) + 1)
     for e in range(len(trace.events)):
         latest[e + 1] = max(latest[e], position[e] + 1)
+    position.append(len(events))  # "before the end"
     return dataclasses.replace(
         trace,
         windows=tuple(new_windows),
         events=tuple(events),
         last_pack=tuple(latest[p] if p >= 0 else p for p in trace.last_pack),
+        unpacked=tuple((a, renumbered[w], position[e]) for a, w, e in trace.unpacked),
     )
 
 
@@ -252,6 +268,9 @@ def _with_workspaces(
             size = 0
         if size > 0:
             span(size, w, w, at_start=True)
+    # In a window with a workspace, where the allocator peaked is unknown: a recomputed copy
+    # is kept to the window's eager free (note 6), never dropped before that peak.
+    spanned = set(before)
     saved = [list(ids) for ids in trace.saved]
     for node, size in sorted(hidden_saved.items()):
         if size > 0 and node in last_backward and node in forward_window:
@@ -284,6 +303,7 @@ def _with_workspaces(
         sizes=tuple(sizes),
         saved=tuple(tuple(sorted(ids)) for ids in saved),
         last_pack=tuple(position[p] if p >= 0 else p for p in trace.last_pack),
+        unpacked=tuple((a, w, position[e]) for a, w, e in trace.unpacked if w not in spanned),
     )
 
 
@@ -305,6 +325,7 @@ class _NodeRunner(CaptureInterpreter):
         self.graph_outputs: list[Any] = []
         self.on_node: Any = None
         self.on_pack: Any = None  # called with the node's index at each save (note 3)
+        self.on_unpack: Any = None  # what a backward gets for a saved tensor (note 6)
 
     def run_node(self, n: fx.Node) -> Any:
         i = self.index_of.get(n)
@@ -325,7 +346,11 @@ class _NodeRunner(CaptureInterpreter):
 
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: self.env.get(a))
         self.reads[i] = [self.key(t) for t in tensors_in(args)]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            return t if self.on_unpack is None else self.on_unpack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             result = super().run_node(n)
         self.saved[i] = saved
         self.outputs[i] = [self.key(t) for t in tensors_in(result)]
@@ -364,7 +389,9 @@ class _CastTracker(StorageTracker):
 
 
 def _forward_sequence_numbers(
-    result: Any, known: set[int], conversions: set[int] | None = None,
+    result: Any,
+    known: set[int],
+    conversions: set[int] | None = None,
     cast_to: Mapping[str, torch.dtype] | None = None,
 ) -> set[int]:
     """Sequence numbers of the autograd nodes reachable from ``result`` and not yet known;
@@ -441,6 +468,19 @@ def _record(
 
     runner.on_node = on_node
     runner.on_pack = on_pack
+    stand_ins: dict[int, int] = {}  # allocation a backward got instead -> the saved one (note 6)
+
+    def on_unpack(t: torch.Tensor) -> torch.Tensor:
+        a = tracker.key(t)
+        if a is None:
+            return t
+        # Same sizes and strides, a storage of its own (fake: no memory): it dies where a
+        # checkpoint's recomputed copy would, as the backward formula lets go of it.
+        stand_in = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+        s = tracker.key(stand_in)
+        if s is not None:
+            stand_ins[s] = a
+        return stand_in
 
     def backward_window_of(seq: int) -> int | None:
         node = seq_owner.get(seq)
@@ -477,27 +517,55 @@ def _record(
         del output
         tracker.backward_window_of = backward_window_of
         runner.on_pack = None
+        runner.on_unpack = on_unpack
         loss.backward()
         del loss
     del static_storages
+    events, unpacked = _without_stand_ins(tracker.events, stand_ins)
     device = next((t.device for t in statics), torch.device("cpu"))
 
     def ids(keys: list[Any]) -> tuple[int, ...]:
         return tuple(sorted({k for k in keys if k is not None}))
 
-    return MemoryTrace(
-        num_nodes=n,
-        windows=tuple(windows),
-        events=tuple(tracker.events),
-        sizes=tuple(tracker.sizes),
-        reads=tuple(ids(runner.reads[i]) for i in range(n)),
-        outputs=tuple(ids(runner.outputs[i]) for i in range(n)),
-        saved=tuple(ids(runner.saved[i]) for i in range(n)),
-        output_allocations=ids(runner.graph_outputs),
-        static_bytes=static,
-        source="storages",
-        # torch.get_rng_state() is a CPU tensor: a checkpoint's RNG stash counts where the
-        # budget counts CPU memory, and on the meta device (target unknown) to be safe.
-        rng_state_bytes=torch.get_rng_state().nbytes if device.type in ("cpu", "meta") else 0,
-        last_pack=tuple(last_pack),
-    ), tracker.op_log, tracker.held(), conversion_windows
+    return (
+        MemoryTrace(
+            num_nodes=n,
+            windows=tuple(windows),
+            events=events,
+            sizes=tuple(tracker.sizes),
+            reads=tuple(ids(runner.reads[i]) for i in range(n)),
+            outputs=tuple(ids(runner.outputs[i]) for i in range(n)),
+            saved=tuple(ids(runner.saved[i]) for i in range(n)),
+            output_allocations=ids(runner.graph_outputs),
+            static_bytes=static,
+            source="storages",
+            # torch.get_rng_state() is a CPU tensor: a checkpoint's RNG stash counts where the
+            # budget counts CPU memory, and on the meta device (target unknown) to be safe.
+            rng_state_bytes=torch.get_rng_state().nbytes if device.type in ("cpu", "meta") else 0,
+            last_pack=tuple(last_pack),
+            unpacked=unpacked,
+        ),
+        tracker.op_log,
+        tracker.held(),
+        conversion_windows,
+    )
+
+
+def _without_stand_ins(
+    recorded: Sequence[tuple[int, int]], stand_ins: Mapping[int, int]
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int, int], ...]]:
+    """The step's events without the stand-ins backward formulas got for saved tensors
+    (note 6), and per saved allocation where the last of them died: ``(allocation, window,
+    event)``, the stand-in died in ``window`` right before ``event`` (an index into the
+    events returned)."""
+    events: list[tuple[int, int]] = []
+    last: dict[int, tuple[int, int]] = {}
+    seen: set[int] = set()
+    for a, w in recorded:
+        saved = stand_ins.get(a)
+        if saved is None:
+            events.append((a, w))
+        elif a in seen:
+            last[saved] = (w, len(events))
+        seen.add(a)
+    return tuple(events), tuple((a, w, e) for a, (w, e) in sorted(last.items()))

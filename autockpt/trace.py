@@ -17,16 +17,24 @@ Models as libraries ship them are handled on the way: a decorated ``forward(*arg
 **kwargs)`` wrapper is traced as the user calls it, and output objects export cannot carry
 (a key/value cache) are returned as ``None``, with a note in :attr:`Capture.warnings`.
 
-The graph must run what the model runs. Tracing executes the forward's Python once, so two
+The graph must run what the model runs. Tracing executes the forward's Python once, so three
 things it sees would not survive in an fx graph: a random draw made without a traced input
 (``torch.rand([]) < p`` for LayerDrop, ``random.random()``), which fx would bake in as a
-constant, and a switch of the autograd mode or autocast (``torch.no_grad()``), which fx does
-not record. :class:`_Watch` sees both while tracing; the innermost submodule whose own code
-did it becomes a leaf (it runs eagerly inside the graph, so it draws anew and its mode holds),
-and the root's own code falls back to export, which keeps torch draws as operators and
-``no_grad`` regions as ``wrap_with_set_grad_enabled``; an export graph that baked a Python or
-NumPy draw, or lost a mode switch, is refused with a :class:`TraceError` naming the line.
-Every fallback is said in :attr:`Capture.warnings`. Tracing consumes no random numbers.
+constant, a switch of the autograd mode or autocast (``torch.no_grad()``), which fx does
+not record, and an assignment to a registered buffer or parameter (``self.steps =
+self.steps + 1``), whose new value fx computes but never stores. :class:`_Watch` sees them
+while tracing; the innermost submodule whose own code did it becomes a leaf (it runs
+eagerly inside the graph, so it draws anew, its mode holds and it assigns), and the root's
+own code falls back to export, which keeps torch draws as operators, ``no_grad`` regions as
+``wrap_with_set_grad_enabled`` and buffer assignments as in-place updates; an export graph
+that baked a Python or NumPy draw, lost a mode switch or an assignment, is refused with a
+:class:`TraceError` naming the line. Every fallback is said in :attr:`Capture.warnings`.
+Tracing consumes no random numbers.
+
+Export graphs keep the batch size and the sequence length dynamic where the model allows
+(:func:`_dynamic_shapes`), so smaller batches run the plan; where export cannot, the graph
+is specialised to the example shapes, as the notes say. Calls are checked against the graph
+before it runs (:func:`_input_check`).
 
 Every path yields a graph whose ``get_attr`` / ``call_module`` targets are qualified names in
 the *original* module tree, so the rewritten module can keep using the user's own parameter
@@ -123,7 +131,8 @@ def without_defaults(signature: inspect.Signature | None, kwargs: dict[str, Any]
         return kwargs
     params = signature.parameters
     return {
-        name: value for name, value in kwargs.items()
+        name: value
+        for name, value in kwargs.items()
         if name not in params or value is not params[name].default
     }
 
@@ -157,7 +166,9 @@ class Capture:
 
     def compute_nodes(self) -> list[fx.Node]:
         """Nodes in execution order that do work (everything but inputs, attributes, output)."""
-        return [n for n in self.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        return [
+            n for n in self.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+        ]
 
     def fingerprint(self) -> str:
         """Structural hash of the graph: ops, targets (with the class of each called
@@ -324,9 +335,13 @@ class _LeafTracer(fx.Tracer):
         return self.call_shape.root_call(self, root_fn)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+        return module_qualified_name in self.leaves or super().is_leaf_module(
+            m, module_qualified_name
+        )
 
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         try:
             path: str | None = self.path_of_module(m)
         except NameError:  # a module made in forward: its code counts as its caller's
@@ -376,9 +391,7 @@ class _CallShape:
         self, tracer: fx.Tracer, root_fn: Callable[..., Any]
     ) -> tuple[Callable[..., Any], list[Any]]:
         args = [tracer.create_proxy("placeholder", name, (), {}) for name in self.positional]
-        kwargs = {
-            name: tracer.create_proxy("placeholder", name, (), {}) for name in self.keyword
-        }
+        kwargs = {name: tracer.create_proxy("placeholder", name, (), {}) for name in self.keyword}
 
         def call(root: nn.Module) -> Any:
             return root_fn(root, *args, **kwargs)
@@ -418,7 +431,6 @@ def _dataclass_builder(cls: type) -> Callable[[dict[str, Any]], Any]:
 
     build.__name__ = build.__qualname__ = f"build_{cls.__name__}"
     return build
-
 
 
 def _trace_fx_with_leaves(
@@ -737,14 +749,6 @@ class _Watch:
         self._code = _watched_code()
         self._paths: dict[int, str] | None = None
 
-    def clear(self) -> None:
-        """Forget what an earlier attempt saw (export is tried again without dynamic sizes)."""
-        self.draws.clear()
-        self.switches.clear()
-        self.assignments.clear()
-        self.internal.clear()
-        self._pending.clear()
-
     def __enter__(self) -> _Watch:
         self.previous = sys.getprofile()
         sys.setprofile(self._hook)
@@ -908,7 +912,7 @@ _SKIPPED_DIRS = _skipped_dirs()
 def _tool_dirs() -> tuple[str, ...]:
     """Libraries torch itself runs while tracing that draw from Python's ``random``:
     SymPy shuffles its assumption checks (``random.shuffle``) when export reasons about
-    dynamic sizes. Their draws are not the model's (capture restores the generators)."""
+    symbolic sizes. Their draws are not the model's (capture restores the generators)."""
     try:
         import sympy
     except ImportError:  # pragma: no cover
@@ -1007,29 +1011,34 @@ def _restore_placeholder_names(graph: fx.Graph, model: nn.Module) -> None:
 
 
 def _capture_export(
-    model: nn.Module, inputs: Inputs, notes: list[str],
+    model: nn.Module,
+    inputs: Inputs,
+    notes: list[str],
     fx_failure: tuple[str, BaseException] | str | None,
 ) -> Capture:
+    # Export runs twice: with static shapes under the watch (what the model's Python does
+    # while traced, as on the fx path), then with dynamic sizes, unwatched: export's shape
+    # reasoning makes many Python calls in SymPy, and a profile hook on each of them more
+    # than quadrupled its time (tiny GPT-2: 1.0 s, 4.5 s watched). The model's code runs the
+    # same way in both (the same example inputs): what the first saw holds for the second.
     dropped: list[str] = []
     seen = _CheckpointSeen()
     watch = _Watch(seen, model=model)
-    dynamic = _dynamic_shapes(model, inputs)
-    dynamic_failure: BaseException | None = None
     with rng_as_found() as found, warnings.catch_warnings(), _quiet_torch_logs(), watch:
         warnings.simplefilter("ignore")
-        exported = None
-        if dynamic is not None:
-            try:
-                exported = _export(model, inputs, dynamic, dropped)
-            except Exception as error:  # noqa: BLE001 - the static export below decides
-                dynamic_failure = error
-                dropped.clear()
-                watch.clear()
-        if exported is None:
-            exported = _export(model, inputs, None, dropped)
-        gm = exported.module()
+        exported = _export(model, inputs, None, dropped)
         moved = found.changed()
     _check_export_kept(model, watch, moved, fx_failure)
+    dynamic = _dynamic_shapes(model, inputs)
+    dynamic_failure: BaseException | None = None
+    if dynamic is not None:
+        with rng_as_found(), warnings.catch_warnings(), _quiet_torch_logs():
+            warnings.simplefilter("ignore")
+            try:
+                exported = _export(model, inputs, dynamic, dropped)
+            except Exception as error:  # noqa: BLE001 - the static graph stands
+                dynamic_failure = error
+    gm = exported.module()
     assigned = _keep_assignments(gm, watch, fx_failure)
     if seen.saw_checkpoint:
         notes.append(_CHECKPOINT_WARNING)
@@ -1048,13 +1057,14 @@ def _capture_export(
             guards.append(gm.get_submodule(str(node.target)))
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
-    extras = {
-        name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)
-    }
+    extras = {name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)}
     layouts = _input_layouts(gm, dict(exported.range_constraints))
     dims = tuple(
-        f"{name}[{d}]" for name, layout in layouts if layout is not None
-        for d, size in enumerate(layout[1]) if isinstance(size, tuple)
+        f"{name}[{d}]"
+        for name, layout in layouts
+        if layout is not None
+        for d, size in enumerate(layout[1])
+        if isinstance(size, tuple)
     )
     if "_in_spec" in extras:
         extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature(), layouts)
@@ -1237,7 +1247,8 @@ def _keep_assignments(
             copies[str(node.args[0].target)] = node
     sightings = _unique(watch.assignments)
     lost = [
-        s for s in sightings
+        s
+        for s in sightings
         if s.parameter or s.slot not in copies or not _same_layout(gm, copies[s.slot])
     ]
     if lost:
@@ -1464,8 +1475,11 @@ def _outputs_without_opaque_objects(model: nn.Module, dropped: list[str]) -> Ite
 def _quiet_torch_logs() -> Iterator[None]:
     """torch.export logs whole graphs and guard diagnostics when it fails; we report the
     failure ourselves in one line, so its own loggers are hushed for the attempt."""
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-               if name.startswith("torch")]
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("torch")
+    ]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
@@ -1494,7 +1508,9 @@ def _check_leaf_names(model: nn.Module, leaves: set[str]) -> None:
         raise ValueError(f"leaf_modules name modules that do not exist: {missing}")
 
 
-def _trace_error(module: str, error: BaseException, also: BaseException | None = None) -> TraceError:
+def _trace_error(
+    module: str, error: BaseException, also: BaseException | None = None
+) -> TraceError:
     if isinstance(error, _Unfaithful):
         location, line = error.location, error.source_line
         reason = f"its own code {error}"

@@ -19,20 +19,28 @@ allocations a plan moves:
   allocations it reads, returns and hands to autograd (``saved_tensors_hooks``), and where
   its last save happens (the recompute's early stop).
 * **replay** (:func:`simulate`): under non-reentrant ``torch.utils.checkpoint`` semantics a
-  plan changes three things, and only these are rescheduled:
+  plan changes these things, and only these are rescheduled:
 
   1. A tensor made in the forward that eager keeps for backward is now freed at the latest of
      its remaining reasons to live: its last forward use, the backward of a *kept* node that
      saves it, the backward of a segment it enters (the checkpoint keeps a segment's inputs
-     for the recompute), or its eager free when no node saves it (a model output the loss
-     holds). Saves by nodes inside a segment no longer hold it.
+     for the recompute), or its eager free when something the graph does not name holds it
+     (a model output the loss holds, a tensor the model keeps past the step, such as a
+     buffer it built) or no node saves it. Saves by nodes inside a segment no longer hold it.
   2. Before the first backward window of a segment, the segment's forward allocations are
      replayed (the recompute) up to the segment's last save for backward, where the
      checkpoint stops recomputing (early stop) and the recompute's temporaries die. A
-     recomputed tensor that a segment node saves lives until that node's backward frees
-     it, exactly where eager freed the original; the others die after their last use
+     recomputed tensor that a segment node saves lives until the backward formula that used
+     it last lets go of it (``MemoryTrace.unpacked``; without it, where eager freed the
+     original); an output of the segment (read after it, or the graph's) is held by the
+     segment's code until the recompute stops or ends; the others die after their last use
      inside the recompute.
-  3. Everything else (gradients, loss, parameter gradients, workspaces) happens as in eager.
+  3. Only nodes that save hold a checkpoint: its frame (its inputs, its stashes) lives
+     while a tensor one of them saved does, to the end of their backward, and it recomputes
+     at the first of their backward windows. A segment whose nodes save nothing (an
+     addition, a block run without gradients) keeps nothing past its forward and never
+     recomputes.
+  4. Everything else (gradients, loss, parameter gradients, workspaces) happens as in eager.
 
   The peak is the static part (parameters, buffers, inputs) plus the highest running sum.
 
@@ -115,6 +123,12 @@ class MemoryTrace:
     last_pack: tuple[int, ...] = ()
     """Per compute node, how many events precede its last save for backward (-1 when it
     saves nothing or it is unknown): a checkpoint's recompute stops there (early stop)."""
+    unpacked: tuple[tuple[int, int, int], ...] = ()
+    """``(allocation, window, event)``: where the last backward formula that used the saved
+    allocation was done with it, in ``window`` right before ``event`` (the number of events
+    before it). A checkpoint's recomputed copy dies there; eager keeps the original until
+    its autograd node releases what it saved, after the engine has reduced the gradients
+    the formula returned (a bias gradient summed over the batch)."""
     buffer_bytes: tuple[tuple[str, int], ...] = ()
     """``(name, bytes)`` of every buffer as the step leaves it. A forward may replace a
     buffer (a table built on the first call), and a checkpoint snapshots the buffers it
@@ -291,7 +305,7 @@ class Replayer:
         self._fwd_lo, self._fwd_hi, self._last_pack = fwd_lo, fwd_hi, last_pack
         # A checkpoint's frame (its inputs, its stashes) lives while a tensor one of its
         # nodes saved does, and it recomputes at the first unpack: only the backward
-        # windows of nodes that save count for a segment (rule 4). Unknown saves: all may.
+        # windows of nodes that save count for a segment (rule 3). Unknown saves: all may.
         saves = np.ones(n + 1, bool)
         if trace.last_pack:
             saves[:n] = [
@@ -343,6 +357,18 @@ class Replayer:
         self._f_event = a_e[fa]
         self._f_producer = producer
         self._f_free = a_at_free[fa]  # eager free position, -1: never freed
+        # Where the last backward formula using it let go of it (rule 2): a recomputed copy
+        # dies there, no later than eager freed the original.
+        unpack_end: dict[int, int] = {}
+        for a, w, e in trace.unpacked:
+            if not 0 <= w < nw:
+                raise ValueError("an unpack names a window the trace does not have")
+            inside = 0 <= e < ne and ev_w[e] == w
+            unpack_end[a] = int(at[e]) if inside else int(end[w])
+        ends = np.fromiter((unpack_end.get(ids[i], -1) for i in fa.tolist()), _I64, count=len(fa))
+        self._f_copy_free = np.where(
+            (ends >= 0) & (self._f_free >= 0), np.minimum(ends, self._f_free), self._f_free
+        )
         self._f_in_forward_free = (wf >= 0) & ~freed_bwd  # freed before backward
         freed_fwd = (wf >= 0) & w_fwd[np.maximum(wf, 0)]
         self._f_freed_node = np.where(freed_fwd, w_node[np.maximum(wf, 0)], n)  # n: sentinel
@@ -515,7 +541,7 @@ class Replayer:
 
     def _facts(self, first: int, stop: int) -> tuple[int, ...]:
         """What the rules need of segment ``[first, stop)``: the first backward window and
-        the end of the backward of its saving nodes (-1: none; rule 4), where its recompute
+        the end of the backward of its saving nodes (-1: none; rule 3), where its recompute
         stops (-1: never early), the first event of its forward, its recompute block's size
         (0: no recompute), the last event of its forward and the end of its forward."""
         found = self._segment_facts.get((first, stop))
@@ -616,10 +642,13 @@ class Replayer:
             # segment holds it as an input. Alive over that backward window in every case.
             # (A copy exists because the saver's last save comes after the allocation.)
             late = np.unique(self._saver_owner[self._saver_holds_late & (sn >= decided)])
+            # Until the formula lets go of it: where a copy dies, and the original is older.
             late = late[free[late] < self._f_free[late]]
+            since = np.maximum(self._f_free_window_start[late], free[late])
+            until = self._f_copy_free[late]
+            late, since, until = late[since < until], since[since < until], until[since < until]
             if len(late):
-                since = np.maximum(self._f_free_window_start[late], free[late])
-                pos += [combined(since), combined(self._f_free[late])]
+                pos += [combined(since), combined(until)]
                 delta += [self._f_size[late], -self._f_size[late]]
 
         # Recomputed copies of what segment nodes made.
@@ -650,7 +679,7 @@ class Replayer:
             freed_inside = (freed_node < n) & (segment_of[np.minimum(freed_node, n - 1)] == k)
             # Free as an eager position (-1: inside the recompute) ...
             eager_free = np.where(
-                has_inside, np.where(freer_inside, self._f_free[c], inside_end), -1
+                has_inside, np.where(freer_inside, self._f_copy_free[c], inside_end), -1
             )
             # ... or in half steps of the recompute (2x: event x, 2x+1: right after it). An
             # output of the segment (read after it, or the graph's) is held by the
@@ -695,7 +724,7 @@ class Replayer:
                 pos.append(combined(woff[window]))
                 delta.append(each)
                 # freed with the checkpoint's frame: after the backward of its saving
-                # nodes, or as its forward returns when none saves (rule 4)
+                # nodes, or as its forward returns when none saves (rule 3)
                 pos.append(combined(np.where(has_bwd[ks], seg_end[ks], seg_fwd_end[ks])))
                 delta.append(-each)
                 with_recompute = block_start[ks] >= 0

@@ -297,17 +297,20 @@ def test_model_compiled_in_place_is_refused_before_capture(monkeypatch):
 @pytest.mark.slow
 def test_compiled_result_with_inductor(fresh_dynamo):
     # Inductor generates C++ on the CPU (a compiler is needed) and takes tens of seconds.
-    # Its kernels reassociate sums, so gradients are compared with a looser tolerance.
+    # Its kernels reassociate sums, so it is compared with the same model compiled without
+    # a plan (equal: the checkpointed regions compute the same kernels), and with eager to
+    # float tolerance.
     model, x = net(p=0.0)
     planner = _quiet_planner(model, x)
     fast = planner.optimize(budget_gb=_budget_gb(planner, 0.1))
     compiled = torch.compile(fast, backend="inductor")
-    expected = train_step(copy.deepcopy(model), x)
+    plain = torch.compile(copy.deepcopy(model), backend="inductor")
     got = _strip_compiled(train_step(compiled, x))
-    torch.testing.assert_close(got["loss"], expected["loss"], rtol=1e-4, atol=1e-5)
+    assert_same_step(_strip_compiled(train_step(plain, x)), got)
+    expected = train_step(copy.deepcopy(model), x)
     for name, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-3, atol=1e-5, msg=name)
-    for name, buffer in expected["buffers"].items():
-        torch.testing.assert_close(got["buffers"][name], buffer, rtol=1e-4, atol=1e-5, msg=name)
-    plain = autockpt.measure(torch.compile(copy.deepcopy(model), backend="inductor"), x, repeat=0)
-    assert autockpt.measure(compiled, x, repeat=0).peak_bytes < plain.peak_bytes
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-4 * max(scale, 1.0))
+    assert autockpt.measure(compiled, x, repeat=0).peak_bytes < autockpt.measure(
+        plain, x, repeat=0
+    ).peak_bytes

@@ -143,7 +143,9 @@ class _Grads:
         return Keep()
 
 
-def _train(model: nn.Module, tmp_path, collate) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def _train(
+    model: nn.Module, tmp_path, collate
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Two steps of ``transformers.Trainer`` over LENGTHS-long examples: losses and grads."""
     pytest.importorskip("accelerate")
     from transformers import Trainer, TrainingArguments
@@ -194,13 +196,17 @@ def _trains_like_eager(fast: nn.Module, tmp_path, collate, checkpoint_calls) -> 
     _assert_same_training(expected, got)
 
 
-def test_trainer_with_batches_padded_to_the_planned_length(trainer_gpt2, tmp_path, checkpoint_calls):
+@pytest.mark.slow  # capturing GPT-2 with torch.export takes ~30 s on 2 cores
+def test_trainer_with_batches_padded_to_the_planned_length(
+    trainer_gpt2, tmp_path, checkpoint_calls
+):
     """``padding="max_length"``: every batch has the planned shape, the Trainer's calls
     (with its ``num_items_in_batch``) run both segments, and training equals eager's."""
     fast, _ = trainer_gpt2
     _trains_like_eager(fast, tmp_path, lambda f: _pad(f, HF_SEQ), checkpoint_calls)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     raises=PlanMismatchError,
@@ -231,6 +237,7 @@ def test_trainer_example_from_the_docs_within_budget(tmp_path, checkpoint_calls)
         budget = int(low + 0.3 * (high - low))
         fast = planner.optimize(budget_gb=budget / GIB)
     assert fast.plan.segments and fast.plan.measured_peak_bytes <= budget
+    checkpoint_calls.clear()  # verification ran the plan once
     _trains_like_eager(fast, tmp_path, lambda f: _pad(f, HF_SEQ), checkpoint_calls)
 
 
@@ -283,6 +290,7 @@ def _accelerate_run(model: nn.Module, accumulation: int) -> dict[str, Any]:
         losses.append(loss.detach())
     return {
         "prepared": prepared,
+        "same": prepared is model,
         "losses": losses,
         "grads": first_grads,
         "params": {n: p.detach().clone() for n, p in prepared.named_parameters()},
@@ -300,7 +308,7 @@ def test_accelerate_prepare_trains_the_plan_within_budget(small_gpt, checkpoint_
         got = _accelerate_run(copy.deepcopy(fast), accumulation=1)
     assert _uncovered(caught) == []
     assert len(checkpoint_calls) == len(got["losses"]) * len(fast.plan.segments)
-    assert got["prepared"].plan is fast.plan
+    assert got["same"] and got["prepared"].plan is fast.plan  # one process: handed back as is
     torch.testing.assert_close(got["losses"][0], expected["losses"][0], rtol=0, atol=0)
     assert got["grads"].keys() == expected["grads"].keys()
     for name, grad in expected["grads"].items():

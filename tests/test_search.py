@@ -174,6 +174,11 @@ class _ReferenceReplay:
             self.slot_of_window[w] = slot
             self.slot_phase[slot] = (win.phase, win.node)
             slot += 1
+        # Where the last backward formula using a saved allocation let go of it.
+        self.unpack_end: dict[int, Position] = {}
+        for a, w, e in trace.unpacked:
+            inside = 0 <= e < len(trace.events) and self.window_of_event[e] == w
+            self.unpack_end[a] = (self.slot_of_window[w], e - 0.5) if inside else self.end_of(w)
         self.savers: dict[int, list[int]] = {}
         for i, allocations in enumerate(trace.saved):
             for a in allocations:
@@ -296,7 +301,8 @@ class _ReferenceReplay:
                 and freed_in.phase == BACKWARD
                 and freed_in.node in inside_savers
             ):
-                free = self.at(f)
+                # the copy dies as the formula lets go of it, not when the node releases it
+                free = min(self.at(f), self.unpack_end.get(a, self.at(f)))
             else:
                 ends = [
                     self.end_of(self.backward_windows[j][-1])
@@ -429,6 +435,16 @@ def synthetic_traces(draw: st.DrawFn, min_nodes: int = 1, max_nodes: int = 6) ->
     packs = draw(
         st.one_of(st.just(()), st.lists(st.integers(-1, len(events)), min_size=n, max_size=n))
     )
+    # Where a backward let go of an allocation it frees: in its window, up to right after
+    # the free (then: the window's end, or the next window's first event).
+    unpacked = []
+    made: dict[int, int] = {}
+    for e, (a, w) in enumerate(events):
+        if a not in made:
+            made[a] = e
+        elif windows[w].phase == BACKWARD and draw(st.booleans()):
+            first = min(x for x, (_, v) in enumerate(events) if v == w)
+            unpacked.append((a, w, draw(st.integers(max(first, made[a] + 1), e + 1))))
     return MemoryTrace(
         num_nodes=n,
         windows=tuple(windows),
@@ -442,6 +458,7 @@ def synthetic_traces(draw: st.DrawFn, min_nodes: int = 1, max_nodes: int = 6) ->
         source="storages",
         rng_state_bytes=draw(st.sampled_from([0, 7])),
         last_pack=tuple(packs),
+        unpacked=tuple(unpacked),
     )
 
 
@@ -489,10 +506,17 @@ def chain_like_traces(draw: st.DrawFn, min_nodes: int = 4, max_nodes: int = 8) -
     windows.append(Window(LOSS, -1))
     loss = new(8, len(windows) - 1)
     grad = new(draw(byte), len(windows) - 1)
+    unpacked: list[tuple[int, int, int]] = []
     for i in reversed(range(n)):
         windows.append(Window(BACKWARD, i))
         w = len(windows) - 1
         following = new(draw(byte), w)
+        # the formula lets go of what it saved before the engine frees the incoming gradient
+        unpacked += [
+            (a, w, len(events))
+            for a, saver in last_saver.items()
+            if saver == i and draw(st.booleans())
+        ]
         events.append((grad, w))
         grad = following
         events += [(a, w) for a, saver in last_saver.items() if saver == i]
@@ -513,6 +537,7 @@ def chain_like_traces(draw: st.DrawFn, min_nodes: int = 4, max_nodes: int = 8) -
         source="storages",
         rng_state_bytes=draw(st.sampled_from([0, 7])),
         last_pack=tuple(packs) if draw(st.booleans()) else (),
+        unpacked=tuple(sorted(unpacked)),
     )
 
 
