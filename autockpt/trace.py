@@ -1035,9 +1035,19 @@ def _capture_export(
         with rng_as_found(), warnings.catch_warnings(), _quiet_torch_logs():
             warnings.simplefilter("ignore")
             try:
-                exported = _export(model, inputs, dynamic, dropped)
+                sized = _export(model, inputs, dynamic, dropped)
             except Exception as error:  # noqa: BLE001 - the static graph stands
                 dynamic_failure = error
+            else:
+                # Symbolic sizes can turn a size computation into a value read (DeBERTa's
+                # relative positions: ``.item()``), which planning must refuse; the static
+                # graph computes those sizes as constants.
+                if _value_reads(sized) > _value_reads(exported):
+                    dynamic_failure = RuntimeError(
+                        "with symbolic sizes the graph reads tensor values (.item())"
+                    )
+                else:
+                    exported = sized
     gm = exported.module()
     assigned = _keep_assignments(gm, watch, fx_failure)
     if seen.saw_checkpoint:
@@ -1105,6 +1115,15 @@ def _capture_export(
             "to the planned input shapes: a call with other shapes raises PlanMismatchError"
         )
     return Capture(gm, "export", (), notes, extras, dims)
+
+
+def _value_reads(exported: Any) -> int:
+    """How many nodes of an exported graph read a tensor's value into Python."""
+    reads = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+    return sum(
+        1 for node in exported.graph_module.graph.nodes
+        if node.op == "call_function" and node.target in reads
+    )
 
 
 def _dynamic_shapes(model: nn.Module, inputs: Inputs) -> Any | None:

@@ -34,9 +34,7 @@ class Net(nn.Module):
     def __init__(self, width: int = 32, depth: int = 6, p: float = 0.1) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(
-                nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(p)
-            )
+            nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(p))
             for _ in range(depth)
         )
         self.head = nn.Linear(width, 1)
@@ -311,6 +309,7 @@ def test_compiled_result_with_inductor(fresh_dynamo):
     for name, grad in expected["grads"].items():
         scale = grad.abs().max().item()
         torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=1e-4 * max(scale, 1.0))
-    assert autockpt.measure(compiled, x, repeat=0).peak_bytes < autockpt.measure(
-        plain, x, repeat=0
-    ).peak_bytes
+    assert (
+        autockpt.measure(compiled, x, repeat=0).peak_bytes
+        < autockpt.measure(plain, x, repeat=0).peak_bytes
+    )
