@@ -27,7 +27,6 @@ reasons and limits.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import heapq
 import math
@@ -42,7 +41,7 @@ from autockpt.api import Planner, ProgressFn, apply
 from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError, TraceError
 from autockpt.measure import Measurement, static_bytes
 from autockpt.plan import Plan
-from autockpt.rewrite import plain_module
+from autockpt.rewrite import plain_module, shallow_copy
 from autockpt.runtime import LossFn, as_found
 from autockpt.trace import Inputs, capture, given_input_names
 
@@ -304,23 +303,15 @@ def replace_submodule(model: nn.Module, path: str, replacement: nn.Module) -> nn
     ``path``, which is ``replacement``. The root and each module on the way to ``path`` are
     shallow copies with their own registries (so the user's tree is not changed); their
     parameters, buffers and other children are the user's own objects."""
-    root = _shallow_copy(model)
+    root = shallow_copy(model)
     parent = root
     *ancestors, name = path.split(".")
     for part in ancestors:
-        clone = _shallow_copy(parent._modules[part])
+        clone = shallow_copy(parent._modules[part])
         parent._modules[part] = clone
         parent = clone
     parent._modules[name] = replacement
     return root
-
-
-def _shallow_copy(module: nn.Module) -> nn.Module:
-    clone = copy.copy(module)
-    for key, value in vars(module).items():
-        if key.startswith("_") and isinstance(value, (dict, set)):  # registries, hook tables
-            vars(clone)[key] = copy.copy(value)
-    return clone
 
 
 def apply_inside(model: nn.Module, plan: Plan, inputs: Inputs | None) -> nn.Module:

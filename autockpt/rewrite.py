@@ -294,7 +294,7 @@ def rewrite(
             targets[node.target] = lookup(node.target)
     code = _code(targets, graph)
 
-    result = _shallow_copy(model)
+    result = shallow_copy(model, _checkpointed_class(type(model)))
     added = list(modules)
     for name, segment in modules.items():
         object.__setattr__(result, name, segment)  # not a registered child: see the docstring
@@ -694,14 +694,16 @@ def _call_shape(
     )
 
 
-def _shallow_copy(model: nn.Module) -> nn.Module:
-    """A new instance of ``model``'s checkpointed class sharing everything with ``model``
-    (parameters, buffers, children, attributes such as a config) but the registries and
-    hook tables, which are copies. A ``forward`` set on the instance is left out: it is
-    bound to the original object."""
-    result = object.__new__(_checkpointed_class(type(model)))
-    state = dict(vars(model))
-    state.pop("forward", None)
+def shallow_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
+    """A new instance of ``cls`` (default: ``module``'s class) sharing everything with
+    ``module`` (parameters, buffers, children, attributes such as a config) but the
+    registries and hook tables, which are copies: changing the copy's tree leaves the
+    user's as found. Given another class, a ``forward`` set on the instance is left out: it
+    is bound to the original object."""
+    result = object.__new__(cls or type(module))
+    state = dict(vars(module))
+    if cls is not None:
+        state.pop("forward", None)
     for name in _REGISTRIES:
         if name in state:
             state[name] = copy.copy(state[name])
