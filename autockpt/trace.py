@@ -1271,18 +1271,15 @@ def _keep_assignments(
         if s.parameter or s.slot not in copies or not _same_layout(gm, copies[s.slot])
     ]
     if lost:
-        first = lost[0]
-        reason = (
-            "the forward assigns a registered buffer or parameter ("
-            + "; ".join(s.describe() for s in lost)
-            + "), which torch.export does not keep as an in-place update of the same "
+        in_root = isinstance(fx_failure, tuple) and not fx_failure[0]
+        raise _not_kept(
+            lost,
+            "the forward assigns a registered buffer or parameter (",
+            "), which torch.export does not keep as an in-place update of the same "
             "buffer (a parameter, another shape or dtype, or dropped by export), and fx "
             "cannot keep it either in code that cannot run as a leaf; update the buffer in "
-            "place instead (self.buf.copy_(...) or self.buf.add_(...))"
-        )
-        in_root = isinstance(fx_failure, tuple) and not fx_failure[0]
-        raise TraceError(
-            first.module, first.location, first.source_line, reason, in_root_code=in_root
+            "place instead (self.buf.copy_(...) or self.buf.add_(...))",
+            in_root,
         )
     for copy_node in copies.values():  # also those export made of a no-op assignment
         _read_a_clone(gm.graph, copy_node)
@@ -1358,15 +1355,12 @@ def _check_export_kept(
             location, line = _definition(type(model).forward)
             what = "a draw from " + ", ".join(_GENERATOR_NAMES.get(g, g) for g in moved)
             draws = [_Sighting("", what, location, line, moved[0])]
-        first = draws[0]
-        reason = (
-            "the forward draws random numbers in Python ("
-            + "; ".join(d.describe() for d in draws)
-            + "): torch.export ran the draw once and baked its value into the graph, and fx "
-            "cannot keep it either in code that cannot run as a leaf"
-        )
-        raise TraceError(
-            first.module, first.location, first.source_line, reason, in_root_code=in_root
+        raise _not_kept(
+            draws,
+            "the forward draws random numbers in Python (",
+            "): torch.export ran the draw once and baked its value into the graph, and fx "
+            "cannot keep it either in code that cannot run as a leaf",
+            in_root,
         )
     lost = [
         s
@@ -1374,16 +1368,23 @@ def _check_export_kept(
         if s.what == "torch.inference_mode" or (s.before is not None and s.before == s.after)
     ]
     if lost:
-        first = lost[0]
-        reason = (
-            "the forward switches the autograd mode in a way torch.export does not record ("
-            + "; ".join(s.describe() for s in lost)
-            + ": a switch that changes nothing while it traces, or inference_mode), and fx "
-            "cannot keep it either in code that cannot run as a leaf"
+        raise _not_kept(
+            lost,
+            "the forward switches the autograd mode in a way torch.export does not record (",
+            ": a switch that changes nothing while it traces, or inference_mode), and fx "
+            "cannot keep it either in code that cannot run as a leaf",
+            in_root,
         )
-        raise TraceError(
-            first.module, first.location, first.source_line, reason, in_root_code=in_root
-        )
+
+
+def _not_kept(found: list[Any], opening: str, closing: str, in_root: bool) -> TraceError:
+    """The error for model code an export capture did not keep: every sighting listed
+    between ``opening`` and ``closing``, located at the first one."""
+    first = found[0]
+    reason = opening + "; ".join(s.describe() for s in found) + closing
+    return TraceError(
+        first.module, first.location, first.source_line, reason, in_root_code=in_root
+    )
 
 
 INPUT_CHECK = "_autockpt_check_inputs"
