@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autockpt.runtime import tensors_in
+from solvers.replay import OpCall
 
 if TYPE_CHECKING:
     from torch import nn
@@ -133,6 +134,10 @@ class StorageTracker(TorchDispatchMode):
         self.backward_window_of: Any = None  # sequence number -> window index
         self.op_log: dict[Any, list[tuple[str, int]]] | None = None
         """When a dict: per window, ``(operator, bytes of the new storages it returned)``."""
+        self.op_calls: dict[int, list[OpCall]] | None = None
+        """When a dict: per window, every operator call that returned a tensor, with the
+        allocations it made and wrote to (what selective recompute may keep:
+        :mod:`solvers.selective`)."""
 
     def key(self, t: torch.Tensor) -> int | None:
         return self.ids.get(id(t.untyped_storage()))
@@ -146,6 +151,7 @@ class StorageTracker(TorchDispatchMode):
                     self.window = w
         out = func(*args, **(kwargs or {}))
         returned = 0
+        made: list[int] = []
         outputs = tensors_in(out)
         for t in outputs:
             storage = t.untyped_storage()
@@ -157,10 +163,36 @@ class StorageTracker(TorchDispatchMode):
             self.ids[sid] = a
             self.sizes.append(storage.nbytes())
             self.events.append((a, self.window))
+            made.append(a)
             weakref.finalize(storage, self._free, sid, a)
         if self.op_log is not None and outputs:
             self.op_log.setdefault(self.window, []).append((str(func), returned))
+        if self.op_calls is not None and outputs:
+            self.op_calls.setdefault(self.window, []).append(
+                OpCall(
+                    name=str(func),
+                    allocations=tuple(made),
+                    seeded=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
+                    writes=self._written(func, args, kwargs or {}),
+                )
+            )
         return out
+
+    def _written(self, func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        """Allocations an operator writes to (its mutable arguments: ``out=``, in-place)."""
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return ()
+        written: list[int] = []
+        for k, argument in enumerate(schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[k] if k < len(args) else kwargs.get(argument.name)
+            for t in tensors_in(value):
+                a = self.key(t)
+                if a is not None:
+                    written.append(a)
+        return tuple(sorted(set(written)))
 
     def _free(self, sid: int, a: int) -> None:
         if self.ids.get(sid) == a:

@@ -46,19 +46,28 @@ from autockpt.errors import (
     TraceError,
 )
 from autockpt.measure import Measurement, measure
-from autockpt.plan import MemoryBreakdown, MemoryTimeline, Plan, RankMemory, Segment
+from autockpt.plan import KeptOp, MemoryBreakdown, MemoryTimeline, Plan, RankMemory, Segment
 from autockpt.precision import Precision
 from autockpt.problem import DEFAULT_MAX_STAGES, Chain, StageRange, build_chain
-from autockpt.profile import NodeProfile, Profile, profile
+from autockpt.profile import KEEP_OVERHEAD_SECONDS, NodeProfile, Profile, profile
 from autockpt.record import record_trace
-from autockpt.rewrite import SegmentSpec, is_checkpointed, plain_module, planned_inputs, rewrite
+from autockpt.rewrite import (
+    SegmentSpec,
+    is_checkpointed,
+    mark_verified_compiled,
+    plain_module,
+    planned_inputs,
+    rewrite,
+)
 from autockpt.rng import worst_case_draws
 from autockpt.runtime import LossFn, as_found, device_of
 from autockpt.solve import SEARCH_METHODS, BudgetSearch
 from autockpt.trace import Capture, Inputs, capture, given_input_names
 from solvers import METHODS, InfeasibleError, Simulation, Solution, simulate
+from solvers.replay import MemoryTrace
 from solvers.replay import simulate as simulate_plan
 from solvers.replay import timeline as simulate_timeline
+from solvers.selective import keepable_nodes
 
 if TYPE_CHECKING:
     from autockpt.nested import SubmodulePlanner
@@ -86,6 +95,7 @@ def optimize(
     sharding: str | None = None,
     fsdp_units: Iterable[str] | None = None,
     plan_rank: int | None = 0,
+    selective: bool = True,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -115,6 +125,11 @@ def optimize(
     hang). Every rank must pass the same arguments; a failure on any rank is raised on all.
     ``plan_rank=None`` plans on each rank separately. See
     :func:`autockpt.distributed.plan_on_one_rank`.
+
+    ``selective=True`` lets a checkpointed segment keep chosen operator outputs (a matrix
+    multiply's) from the forward instead of recomputing them, where the plan simulator shows
+    that is cheaper within the budget (``torch.utils.checkpoint``'s selective checkpoint
+    policies; docs/design.md, "Selective recompute"). ``False``: segments recompute all.
     """
     from autockpt.distributed import PlanRequest, plan_on_one_rank
 
@@ -133,7 +148,8 @@ def optimize(
             fsdp_units=fsdp_units,
         )
         return planner.optimize(
-            budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify
+            budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify,
+            selective=selective,
         )
 
     return plan_on_one_rank(
@@ -284,6 +300,12 @@ class Planner:
             offset_bytes=in_scope(0, scope, self.profile),
             predict=self.predict,
             seeds=(per_block,) if per_block else (),
+            # what keeping a node saves: its cost, less what keeping it costs; only nodes
+            # that do arithmetic (docs/design.md, "Selective recompute")
+            node_seconds=tuple(
+                max(0.0, node.cost_seconds - self._keep_overhead) if node.flops > 0 else 0.0
+                for node in self.profile.nodes
+            ),
         )
         self.no_checkpoint_peak_bytes = self.predict([])
         self.minimum_peak_bytes = self.search.leanest().peak_bytes
@@ -338,13 +360,19 @@ class Planner:
         if name is not None:
             self.progress(description)
 
-    def predict(self, segments: Sequence[tuple[int, int]]) -> int:
+    def predict(
+        self, segments: Sequence[tuple[int, int]], kept: Sequence[Sequence[int]] = ()
+    ) -> int:
         """Predicted peak (in the planner's scope, per rank when sharded) of a plan given as
-        stage ranges: the plan simulator's replay of the recorded step."""
+        stage ranges (and, per range, the compute nodes kept inside it: selective
+        recompute): the plan simulator's replay of the recorded step."""
         node_ranges, random = self._node_ranges(segments)
-        return self._scoped(simulate_plan(self.trace, node_ranges, random).peak_bytes, segments)
+        simulated = simulate_plan(self.trace, node_ranges, random, kept or None).peak_bytes
+        return self._scoped(simulated, segments)
 
-    def timeline(self, segments: Sequence[tuple[int, int]]) -> MemoryTimeline:
+    def timeline(
+        self, segments: Sequence[tuple[int, int]], kept: Sequence[Sequence[int]] = ()
+    ) -> MemoryTimeline:
         """The plan simulator's curve of one step, without checkpointing and with the plan,
         folded onto the chain's events (what ``autockpt show --plot`` draws): each event's
         bytes are the highest the replay reaches while that stage runs that phase, so the
@@ -382,11 +410,19 @@ class Planner:
         return MemoryTimeline(
             phases="".join(phase for phase, _ in plan_order),
             stages=tuple(k for _, k in plan_order),
-            plan_bytes=events(plan_order, fold(simulate_timeline(self.trace, node_ranges, random), segments)),
+            plan_bytes=events(
+                plan_order,
+                fold(simulate_timeline(self.trace, node_ranges, random, kept or None), segments),
+            ),
             no_checkpoint_bytes=events(base_order, fold(simulate_timeline(self.trace, []), [])),
             stage_forward_seconds=tuple(round(t, 9) for t in problem.forward_seconds),
             stage_backward_seconds=tuple(round(t, 9) for t in problem.backward_seconds),
         )
+
+    @property
+    def _keep_overhead(self) -> float:
+        device = self.profile.device.split(":")[0]
+        return KEEP_OVERHEAD_SECONDS.get(device, KEEP_OVERHEAD_SECONDS["cuda"])
 
     def _node_ranges(self, segments: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
         """Compute-node ranges of stage ranges, and the bytes each segment stashes (its RNG
@@ -421,7 +457,9 @@ class Planner:
             for first, stop in self.chain.stages
         ]
 
-    def _search(self, budget_bytes: int, solver: str, time_limit_s: float) -> Solution:
+    def _search(
+        self, budget_bytes: int, solver: str, time_limit_s: float, selective: bool = True
+    ) -> Solution:
         """The least-recompute plan whose predicted peak fits ``budget_bytes``: the search
         under the replay (``auto``), or a stage-chain solver judged by it
         (autockpt/solve.py). Raises :class:`InfeasibleBudgetError` below the minimum."""
@@ -435,7 +473,9 @@ class Planner:
             )
         try:
             if solver in SEARCH_METHODS:
-                return self.search.least_recompute(budget_bytes, time_limit_s=time_limit_s)
+                return self.search.least_recompute(
+                    budget_bytes, time_limit_s=time_limit_s, selective=selective
+                )
             return self.search.chain_solver(budget_bytes, solver, time_limit_s=time_limit_s)
         except InfeasibleError as error:
             hint = (
@@ -454,12 +494,19 @@ class Planner:
         solver: str = "auto",
         time_limit_s: float = 30.0,
         verify: bool = True,
+        selective: bool = True,
     ) -> nn.Module:
-        """Solve for ``budget_gb``, rewrite, and (``verify``) check one measured step."""
+        """Solve for ``budget_gb``, rewrite, and (``verify``) check one measured step.
+
+        ``selective``: segments may keep chosen operator outputs (a matrix multiply's)
+        instead of recomputing them, where the replay shows that is cheaper within the
+        budget (docs/design.md, "Selective recompute"); False: every segment recomputes
+        everything inside it."""
         budget_bytes = int(check_budget_gb(budget_gb) * GIB)
         if self.nested is not None:
             return self._hand_back(self.nested.optimize(
-                budget_bytes, solver=solver, time_limit_s=time_limit_s, verify=verify
+                budget_bytes, solver=solver, time_limit_s=time_limit_s, verify=verify,
+                selective=selective,
             ))
         verify = verify and not self.meta
         underestimate = 0  # largest measured-minus-predicted peak seen so far
@@ -467,12 +514,14 @@ class Planner:
         for _ in range(_VERIFY_ROUNDS):
             self._phase("search", "solving")
             try:
-                solution = self._search(budget_bytes - underestimate, solver, time_limit_s)
+                solution = self._search(
+                    budget_bytes - underestimate, solver, time_limit_s, selective
+                )
             except InfeasibleBudgetError as error:
                 if not underestimate:
                     raise
                 raise self._measured_infeasible(budget_bytes, underestimate) from error
-            specs = _segment_specs(self.chain, self.profile, self.capture, solution)
+            specs = _segment_specs(self.chain, self.profile, self.capture, solution, self.trace)
             result = self._hand_back(
                 _rewrite_for_training(self.model, self.capture, specs, self.inputs)
             )
@@ -486,7 +535,7 @@ class Planner:
             used = self._used(checked) + self._rank_shift(solution.segments)
             if used <= budget_bytes:
                 break
-            predicted = self.predict(solution.segments)
+            predicted = self.predict(solution.segments, solution.kept)
             underestimate = max(underestimate + 1, used - predicted)
         else:
             self._phase(None, "")
@@ -503,11 +552,14 @@ class Planner:
         cost model's on the meta device)."""
         return self.profile.step_seconds
 
-    def solve(self, budget_bytes: int, *, solver: str = "auto", time_limit_s: float = 30.0) -> Solution:
+    def solve(
+        self, budget_bytes: int, *, solver: str = "auto", time_limit_s: float = 30.0,
+        selective: bool = True,
+    ) -> Solution:
         """The least-recompute plan whose simulated peak fits ``budget_bytes``, without
         rewriting or measuring (cheap: the profile and the recorded step are reused).
         Raises :class:`InfeasibleBudgetError` below the minimum."""
-        return self._search(int(budget_bytes), solver, time_limit_s)
+        return self._search(int(budget_bytes), solver, time_limit_s, selective)
 
     def simulate(self, segments: Sequence[tuple[int, int]]) -> Simulation:
         """The prediction for checkpointing the given stage ranges: peak from the plan
@@ -517,23 +569,43 @@ class Planner:
             recompute_seconds=self.recompute_seconds(segments),
         )
 
-    def recompute_seconds(self, segments: Sequence[tuple[int, int]]) -> float:
+    def recompute_seconds(
+        self, segments: Sequence[tuple[int, int]], kept: Sequence[Sequence[int]] = ()
+    ) -> float:
         """Seconds a plan adds to a step: the measured forward seconds of the nodes it
-        recomputes plus the fixed cost per segment (the cost model's where nothing was
-        measured). The solvers rank plans by the cost model instead (profile.py, note 3)."""
+        recomputes (not those kept inside a segment, which cost ``KEEP_OVERHEAD_SECONDS``
+        each) plus the fixed cost per segment (the cost model's where nothing was measured). The solvers rank plans by the cost model
+        instead (profile.py, note 3)."""
         nodes = self.profile.nodes
+        skipped = {i for nodes_kept in kept for i in nodes_kept}
+        ranges = self._node_ranges(segments)[0]
         seconds = sum(
             nodes[i].forward_seconds
-            for first, stop in self._node_ranges(segments)[0]
+            for first, stop in ranges
             for i in range(first, stop)
+            if i not in skipped
         )
+        seconds += self._keep_overhead * len(skipped)  # keeping is not free either
         return seconds + self.profile.segment_overhead_seconds * len(segments)
 
-    def rewrite(self, segments: Sequence[tuple[int, int]]) -> nn.Module:
-        """The model rewritten to checkpoint the given stage ranges (no solving, no check)."""
+    def rewrite(
+        self, segments: Sequence[tuple[int, int]], kept: Sequence[Sequence[int]] = ()
+    ) -> nn.Module:
+        """The model rewritten to checkpoint the given stage ranges, keeping the outputs of
+        the compute nodes ``kept[k]`` inside segment ``k`` (no solving, no check; a kept
+        node must be one :func:`solvers.selective.keepable_nodes` allows)."""
+        keepable = keepable_nodes(self.trace)
+        for nodes in kept:
+            for i in nodes:
+                if i not in keepable:
+                    raise ValueError(
+                        f"node {i} ({self.chain.node_names[i]}) cannot be kept: it does not "
+                        "call exactly one allocating, deterministic, non-mutating operator"
+                    )
         given = Solution(segments=[tuple(seg) for seg in segments], recompute_seconds=0.0,
-                         peak_bytes=0, status="feasible", method="given", solve_seconds=0.0, gap=None)
-        specs = _segment_specs(self.chain, self.profile, self.capture, given)
+                         peak_bytes=0, status="feasible", method="given", solve_seconds=0.0,
+                         gap=None, kept=tuple(tuple(nodes) for nodes in kept))
+        specs = _segment_specs(self.chain, self.profile, self.capture, given, self.trace)
         return self._hand_back(_rewrite_for_training(self.model, self.capture, specs, self.inputs))
 
     def _measure(self, result: nn.Module) -> Measurement:
@@ -541,6 +613,9 @@ class Planner:
         ``torch.compile`` (the model came compiled) is measured compiled, after one warm-up
         step that compiles it: the budget holds for the module handed back."""
         compiled = self._hand_back is not _same
+        inner = getattr(result, "_orig_mod", None)
+        if compiled and inner is not None:  # measured as handed back, under its torch.compile
+            mark_verified_compiled(inner)  # so tracing it raises no CompileWarning
         # Scalar draws at their worst case (every LayerDrop layer runs), as the profile and
         # the recorded step planned for (autockpt/rng.py): predicted and measured agree.
         planned = self.__dict__.get("profile")  # None while planning inside a submodule
@@ -641,8 +716,11 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
             raise PlanMismatchError(
                 f"plan segment {seg.first_node}..{seg.last_node} names nodes this graph lacks"
             )
-        specs.append(SegmentSpec(index[seg.first_node], index[seg.last_node] + 1,
-                                 seg.preserve_rng, seg.restore_buffers))
+        specs.append(SegmentSpec(
+            index[seg.first_node], index[seg.last_node] + 1, seg.preserve_rng,
+            seg.restore_buffers,
+            kept_ops=tuple((kept.node, kept.op, kept.index) for kept in seg.kept_ops),
+        ))
     # Calls are checked against the planned inputs (their shapes are in the plan).
     planned = inputs if inputs is not None else planned_inputs(plan.input_signature)
     result = hand_back(_rewrite_for_training(model, captured, specs, planned))
@@ -819,15 +897,41 @@ def _breakdown(prof: Profile, chain: Chain, scope: str, least: int) -> dict[str,
     return parts
 
 
-def _segment_specs(chain: Chain, prof: Profile, captured: Capture, solution: Solution) -> list[SegmentSpec]:
+def _segment_specs(
+    chain: Chain, prof: Profile, captured: Capture, solution: Solution, trace: MemoryTrace
+) -> list[SegmentSpec]:
     mutated = set(prof.mutated_buffers)
     nodes = captured.compute_nodes()
     specs = []
-    for start, end in solution.segments:
+    kept_per_segment = solution.kept or tuple(() for _ in solution.segments)
+    for (start, end), kept in zip(solution.segments, kept_per_segment, strict=True):
         first, stop = chain.node_range(start, end)
         random = any(prof.nodes[i].random for i in range(first, stop))
-        specs.append(SegmentSpec(first, stop, random, _buffers_used(nodes[first:stop], mutated)))
+        specs.append(SegmentSpec(
+            first, stop, random, _buffers_used(nodes[first:stop], mutated),
+            kept_ops=tuple(
+                (nodes[i].name, op, index) for i, op, index in kept_calls(trace, first, stop, kept)
+            ),
+        ))
     return specs
+
+
+def kept_calls(
+    trace: MemoryTrace, first: int, stop: int, kept: Sequence[int]
+) -> list[tuple[int, str, int]]:
+    """``(node, operator, index)`` of each kept node's allocating operator call, ``index``
+    counting that operator's calls in the segment's forward from 0: the key the rewritten
+    segment's selective-checkpoint policy matches calls by (autockpt/rewrite.py)."""
+    wanted = set(kept)
+    counts: dict[str, int] = {}
+    found = []
+    for i in range(first, stop):
+        for op in trace.forward_ops[i]:
+            index = counts.get(op.name, 0)
+            counts[op.name] = index + 1
+            if i in wanted and op.allocations:
+                found.append((i, op.name, index))
+    return found
 
 
 def _buffers_used(nodes: Sequence[torch.fx.Node], mutated: set[str]) -> tuple[str, ...]:
@@ -853,19 +957,22 @@ def _make_plan(
     )
     problem = chain.problem
     names = chain.node_names
-    recompute = planner.recompute_seconds(solution.segments)
+    kept_per_segment = solution.kept or tuple(() for _ in solution.segments)
+    recompute = planner.recompute_seconds(solution.segments, kept_per_segment)
     segments = []
-    for (start, end), spec in zip(solution.segments, specs, strict=True):
+    for (start, end), spec, kept in zip(solution.segments, specs, kept_per_segment, strict=True):
         saved = sum(problem.saved_bytes[start:end])
+        calls = kept_calls(planner.trace, spec.first, spec.end, kept)
         segments.append(Segment(
             start_stage=start,
             end_stage=end,
             first_node=names[spec.first],
             last_node=names[spec.end - 1],
-            recompute_seconds=planner.recompute_seconds([(start, end)]),
+            recompute_seconds=planner.recompute_seconds([(start, end)], [kept]),
             bytes_freed=saved - problem.input_bytes[start],
             preserve_rng=spec.preserve_rng,
             restore_buffers=spec.restore_buffers,
+            kept_ops=tuple(KeptOp(names[i], op, index) for i, op, index in calls),
         ))
     in_segment = {k for start, end in solution.segments for k in range(start, end)}
     kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
@@ -889,7 +996,8 @@ def _make_plan(
     measured_peak = checked.peak_bytes if checked is not None else None
     if planner.sharding.active and checked is not None:
         # The measured step ran unsharded in this process: not a per-rank number.
-        single = planner.predict(solution.segments) - planner._rank_shift(solution.segments)
+        single = (planner.predict(solution.segments, solution.kept)
+                  - planner._rank_shift(solution.segments))
         notes.append(
             f"verified on one unsharded process: measured peak {checked.peak_bytes} bytes "
             f"against a predicted {single}"
@@ -916,7 +1024,7 @@ def _make_plan(
         solve_seconds=solution.solve_seconds,
         solver_gap=solution.gap,
         segments=tuple(segments),
-        predicted_peak_bytes=planner.predict(solution.segments),
+        predicted_peak_bytes=planner.predict(solution.segments, solution.kept),
         no_checkpoint_peak_bytes=planner.no_checkpoint_peak_bytes,
         minimum_peak_bytes=planner.minimum_peak_bytes,
         predicted_recompute_seconds=recompute,
@@ -942,5 +1050,5 @@ def _make_plan(
         sharding=planner.sharding.mode,
         fsdp_units=planner.sharding.units,
         rank_memory=planner.rank_memory,
-        timeline=planner.timeline(solution.segments),
+        timeline=planner.timeline(solution.segments, solution.kept),
     )

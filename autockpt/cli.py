@@ -187,6 +187,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", choices=SOLVERS, default="auto")
     plan.add_argument("--scope", choices=("total", "activations"), default="total")
     plan.add_argument(
+        "--no-selective", action="store_true",
+        help="segments recompute everything inside them (no kept operator outputs)",
+    )
+    plan.add_argument(
         "--time-limit", type=_positive_float, default=30.0, help="solver time limit, seconds"
     )
     plan.add_argument("-o", "--output", default="plan.json")
@@ -507,7 +511,8 @@ def _plan(args: argparse.Namespace) -> int:
         planner = Planner(model, inputs, scope=args.scope, progress=progress.stage,
                           world_size=args.world_size, sharding=args.sharding, fsdp_units=units)
         fast = planner.optimize(
-            budget_gb=args.budget_gb, solver=args.solver, time_limit_s=args.time_limit
+            budget_gb=args.budget_gb, solver=args.solver, time_limit_s=args.time_limit,
+            selective=not args.no_selective,
         )
     _write(args.output, fast.plan.save, "plan")
     if args.json:

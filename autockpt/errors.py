@@ -112,3 +112,10 @@ class PrecisionWarning(UserWarning):
     """A training call of an optimized model under another precision than planned (another
     autocast state or other parameter dtypes): it runs, but the plan's memory prediction and
     budget no longer describe it."""
+
+
+class CompileWarning(UserWarning):
+    """An optimized model traced by ``torch.compile`` whose plan was verified for eager
+    steps only (``torch.compile(autockpt.optimize(model, ...))``): the compiled step keeps
+    other tensors than the eager one, so its peak may lie above the budget.
+    ``autockpt.optimize(torch.compile(model), ...)`` plans and verifies the compiled step."""

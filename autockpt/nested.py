@@ -120,18 +120,22 @@ class SubmodulePlanner:
         """A whole-step prediction in the user's scope from the submodule's prediction."""
         return child_bytes + self.outside_bytes - self.static_bytes
 
-    def _solve(self, child_budget: int, solver: str, time_limit_s: float) -> tuple[nn.Module, Plan]:
+    def _solve(
+        self, child_budget: int, solver: str, time_limit_s: float, selective: bool = True
+    ) -> tuple[nn.Module, Plan]:
         """The root with the submodule planned for ``child_budget`` bytes, and that plan."""
         budget_gb = child_budget / GIB
         while int(budget_gb * GIB) < child_budget:  # float GiB must not round bytes down
             budget_gb = math.nextafter(budget_gb, math.inf)
         child = self.inner.optimize(
-            budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=False
+            budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=False,
+            selective=selective,
         )
         return replace_submodule(self.model, self.path, child), child.plan
 
     def optimize(
-        self, budget_bytes: int, *, solver: str, time_limit_s: float, verify: bool
+        self, budget_bytes: int, *, solver: str, time_limit_s: float, verify: bool,
+        selective: bool = True,
     ) -> nn.Module:
         """Plan the submodule so that the root's whole step fits ``budget_bytes`` (in the
         user's scope); measure the step to check (``verify``), like Planner.optimize. The
@@ -145,7 +149,9 @@ class SubmodulePlanner:
             child_budget = budget_bytes + self.static_bytes - self.outside_bytes - underestimate
             if round_ == _VERIFY_ROUNDS - 1:
                 child_budget = leanest
-            result, plan = self._solve(max(child_budget, leanest), solver, time_limit_s)
+            result, plan = self._solve(
+                max(child_budget, leanest), solver, time_limit_s, selective
+            )
             if not verify:
                 break
             checked = self.measure_step(result)  # the root's whole step, memory only

@@ -28,6 +28,17 @@ SCHEMA_VERSION = 1
 
 
 @dataclass(frozen=True)
+class KeptOp:
+    """An operator output a segment keeps from its forward instead of recomputing it
+    (selective recompute): the ``index``-th call (from 0) of operator ``op`` (for example
+    ``"aten.mm.default"``) in the segment's forward, made by fx node ``node``."""
+
+    node: str
+    op: str
+    index: int
+
+
+@dataclass(frozen=True)
 class Segment:
     """A checkpointed run of stages ``[start_stage, end_stage)``; ``first_node`` and
     ``last_node`` name its first and last fx nodes."""
@@ -40,6 +51,9 @@ class Segment:
     bytes_freed: int
     preserve_rng: bool
     restore_buffers: tuple[str, ...] = ()
+    kept_ops: tuple[KeptOp, ...] = ()
+    """Operator outputs kept from the forward (selective recompute); empty: the segment
+    recomputes everything inside it."""
 
 
 @dataclass(frozen=True)
@@ -268,6 +282,12 @@ def _check_semantics(plan: Plan) -> None:
                 f"non-empty range inside the {len(plan.stages)} stages"
             )
         previous_end = seg.end_stage
+        calls = [(kept.op, kept.index) for kept in seg.kept_ops]
+        if any(index < 0 for _, index in calls) or len(set(calls)) != len(calls):
+            raise ValueError(
+                f"segment {seg.first_node}..{seg.last_node} keeps an operator call twice or "
+                "at a negative index"
+            )
     if plan.timeline is not None:
         _check_timeline(plan.timeline, len(plan.stages))
 
@@ -305,6 +325,8 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
     kind = str(annotation)
     if name == "segments":
         return tuple(_build(Segment, item) for item in _list(name, value))
+    if name == "kept_ops":
+        return tuple(_build(KeptOp, item) for item in _list(name, value))
     if name == "memory":
         return _build(MemoryBreakdown, value)
     if name == "rank_memory":

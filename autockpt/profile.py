@@ -296,6 +296,12 @@ NOMINAL_RATES: dict[str, tuple[float, float, float]] = {
     "cuda": (100e12, 2e12, 10e-6),
     "meta": (100e12, 2e12, 10e-6),
 }
+KEEP_OVERHEAD_SECONDS: dict[str, float] = {"cpu": 50e-6, "cuda": 20e-6, "meta": 20e-6}
+"""What keeping one node's output inside a segment (selective recompute) costs, in the cost
+model's seconds: two marker calls and a dispatch mode around the node's few operators, in
+the forward and in the recompute (autockpt/rewrite.py, ``_KeepCalls``). A node is kept only
+where its own cost is higher. Measured on a 2-core CPU: see docs/design.md, "Selective
+recompute"."""
 SEGMENT_OVERHEAD_SECONDS: dict[str, float] = {"cpu": 100e-6, "cuda": 50e-6, "meta": 50e-6}
 """Fixed cost of one checkpoint segment (saved-tensor hooks, recompute dispatch) per device
 class, in the cost model's seconds: it keeps the solvers from cutting a cheap model into

@@ -448,6 +448,7 @@ def _record(
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
     tracker = _CastTracker({id(s) for s in static_storages}, cached_cast_dtypes())
     tracker.op_log = {}
+    tracker.op_calls = {}
     n = len(index_of)
     windows: list[Window] = []
     seq_owner: dict[int, int] = {}
@@ -527,6 +528,8 @@ def _record(
     def ids(keys: list[Any]) -> tuple[int, ...]:
         return tuple(sorted({k for k in keys if k is not None}))
 
+    forward_window = {win.node: w for w, win in enumerate(windows) if win.phase == FORWARD}
+
     return (
         MemoryTrace(
             num_nodes=n,
@@ -544,6 +547,9 @@ def _record(
             rng_state_bytes=torch.get_rng_state().nbytes if device.type in ("cpu", "meta") else 0,
             last_pack=tuple(last_pack),
             unpacked=unpacked,
+            forward_ops=tuple(
+                tuple(tracker.op_calls.get(forward_window.get(i, -1), ())) for i in range(n)
+            ),
         ),
         tracker.op_log,
         tracker.held(),

@@ -119,6 +119,7 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
         ("frees", "right"),
         ("rng", "left"),
         ("restores buffers", "left"),
+        ("keeps", "left"),
     ):
         # Node names are what a reader greps the graph for: wrap them, never elide them.
         segments.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
@@ -132,6 +133,7 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
             format_bytes(seg.bytes_freed),
             "yes" if seg.preserve_rng else "no",
             ", ".join(seg.restore_buffers) or "-",
+            ", ".join(f"{kept.node} ({kept.op.split('.')[1]})" for kept in seg.kept_ops) or "-",
         )
     return [overview, memory, peaks, segments]
 

@@ -38,8 +38,10 @@ import functools
 import inspect
 import operator
 import re
+import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,9 +49,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from autockpt.errors import PlanMismatchError, UncoveredCallWarning
+from autockpt.errors import CompileWarning, PlanMismatchError, UncoveredCallWarning
 from autockpt.precision import check_call as check_precision
 from autockpt.rng import PythonRngStates
 from autockpt.runtime import put_back
@@ -75,6 +78,11 @@ class SegmentSpec:
     """Whether the segment runs the user's own Python code (a leaf module), which may draw
     from Python's ``random`` or NumPy: those generators are then replayed at recompute too
     (:func:`_contexts`). Set by :func:`rewrite` from the graph."""
+    kept_ops: tuple[tuple[str, str, int], ...] = ()
+    """Operator calls whose outputs the checkpoint keeps from the forward instead of
+    recomputing them (selective recompute): ``(node, operator, index)``, node ``node``'s
+    call of ``operator``, the ``index``-th call of that operator in the segment's forward
+    (design note in :class:`_KeepCalls`)."""
 
 
 class CheckpointSegment(nn.Module):
@@ -88,6 +96,10 @@ class CheckpointSegment(nn.Module):
         self.spec = spec
         self.first_node = first_node
         self.last_node = last_node
+        self._keep = _KeepCalls(spec.kept_ops) if spec.kept_ops else None
+        """What to keep; under ``torch.compile`` the selective-checkpoint policy naming the
+        calls (:func:`_keep_contexts`), in eager the markers around each kept node
+        (:class:`_KeepFrame`)."""
         object.__setattr__(self, "_root", None)
 
     def bind(self, root: nn.Module) -> None:
@@ -96,9 +108,10 @@ class CheckpointSegment(nn.Module):
         object.__setattr__(self, "_root", root)
 
     def extra_repr(self) -> str:
+        kept = f", kept_ops={len(self.spec.kept_ops)}" if self.spec.kept_ops else ""
         return (
             f"{self.first_node} .. {self.last_node}, preserve_rng={self.spec.preserve_rng}, "
-            f"restore_buffers={list(self.spec.restore_buffers)}"
+            f"restore_buffers={list(self.spec.restore_buffers)}{kept}"
         )
 
     def forward(self, *args: Any) -> Any:
@@ -109,9 +122,14 @@ class CheckpointSegment(nn.Module):
         if not torch.is_grad_enabled():
             return run(*args)
         options: dict[str, Any] = {}
-        if (self.spec.restore_buffers or self.spec.python_rng) and not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            # compile accepts only the selective-checkpoint pair here (see _contexts)
+            if self._keep is not None:
+                options["context_fn"] = functools.partial(_keep_contexts, self._keep.wanted)
+        elif self.spec.restore_buffers or self.spec.python_rng or self._keep is not None:
             options["context_fn"] = functools.partial(
-                _contexts, root, self.spec.restore_buffers, self.spec.python_rng
+                _contexts, root, self.spec.restore_buffers, self.spec.python_rng,
+                self._keep is not None,
             )
         return checkpoint(
             run,
@@ -123,10 +141,14 @@ class CheckpointSegment(nn.Module):
 
 
 def _contexts(
-    root: nn.Module, buffer_names: tuple[str, ...], python_rng: bool = False
+    root: nn.Module,
+    buffer_names: tuple[str, ...],
+    python_rng: bool = False,
+    keep: bool = False,
 ) -> tuple[Any, Any]:
-    """The pair of contexts (forward, recompute) that restores a segment's mutated buffers
-    and, with ``python_rng``, replays Python's and NumPy's generators (:class:`_PythonRng`).
+    """The pair of contexts (forward, recompute) that restores a segment's mutated buffers,
+    with ``python_rng`` replays Python's and NumPy's generators (:class:`_PythonRng`), and
+    with ``keep`` keeps the outputs of the segment's kept nodes (:class:`_KeepFrame`).
 
     Eager only. Under ``torch.compile`` a segment passes no ``context_fn`` (compile accepts
     only ``TorchDispatchMode`` pairs there), and needs none: AOTAutograd functionalizes the
@@ -141,6 +163,9 @@ def _contexts(
     if python_rng:
         replay = _PythonRng()
         pairs.append((replay.forward_context(), replay.recompute_context()))
+    if keep:
+        frame = _KeepFrame()
+        pairs.append((frame.context(recomputing=False), frame.context(recomputing=True)))
     if len(pairs) == 1:
         return pairs[0]
     return _together([f for f, _ in pairs]), _together([r for _, r in pairs])
@@ -152,6 +177,165 @@ def _together(contexts: list[Any]) -> Iterator[None]:
         for context in contexts:
             stack.enter_context(context)
         yield
+
+
+class _KeepCalls:
+    """Selective recompute: a segment keeps the outputs of chosen operator calls from its
+    forward, and its recompute uses them instead of running those calls again. Two
+    mechanisms, one plan:
+
+    * **Eager**: the segment's code calls :func:`_keep_begin` and :func:`_keep_end` around
+      each kept node (:func:`_emit_segment`), and the checkpoint's context pair is a
+      :class:`_KeepFrame`. Only the kept node's own few operators pass through a dispatch
+      mode, which catches its allocating operator's outputs in the forward and hands them
+      back in the recompute (autograd still records the node there, so its saved inputs are
+      recomputed as the checkpoint expects). torch's
+      ``create_selective_checkpoint_contexts`` would do the same through a dispatch mode
+      around every operator of the segment, twice: measured 35-38 us per operator call on a
+      2-core CPU, more than most kept operators save there.
+    * **Under torch.compile**: that pair is what compile accepts, and it costs nothing at
+      run time (the policy runs while tracing): :func:`_keep_contexts`, a policy naming
+      the calls ``(operator, index)``, the ``index``-th call of that operator in the
+      segment's forward as the plan simulator recorded it (``autockpt.api.kept_calls``).
+      The forward and the recompute run the same code, so each counts from 0 on its own.
+
+    Operators are resolved once here, so policies compare objects, not names."""
+
+    def __init__(self, calls: tuple[tuple[str, str, int], ...]) -> None:
+        wanted: dict[Any, set[int]] = {}
+        for _, name, index in calls:
+            wanted.setdefault(_operator(name), set()).add(int(index))
+        self.wanted = {op: frozenset(indices) for op, indices in wanted.items()}
+        self.by_node = {node: _operator(name) for node, name, _ in calls}
+
+
+_KEEP_FRAMES = threading.local()
+"""Per thread, the stack of :class:`_KeepFrame` s whose checkpoint is running (forward or
+recompute)."""
+
+
+class _KeepFrame:
+    """One checkpoint call's kept outputs: stored by the forward, handed back once by the
+    recompute. A frame lives as long as the checkpoint keeps its context pair, so an output
+    the recompute never reaches (it stopped early) dies with the checkpoint, as replay
+    rule 6 says."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, Any] = {}
+        self.recomputing = False
+        self.mode: TorchDispatchMode | None = None
+
+    @contextlib.contextmanager
+    def context(self, recomputing: bool) -> Iterator[None]:
+        stack = _frames()
+        self.recomputing = recomputing
+        stack.append(self)
+        try:
+            yield
+        finally:
+            if self.mode is not None:  # the recompute stopped early inside a kept node
+                mode, self.mode = self.mode, None
+                mode.__exit__(None, None, None)
+            stack.pop()
+
+
+def _frames() -> list[_KeepFrame]:
+    stack = getattr(_KEEP_FRAMES, "stack", None)
+    if stack is None:
+        stack = _KEEP_FRAMES.stack = []
+    return stack
+
+
+class _CatchOutputs(TorchDispatchMode):
+    """In the forward, around one kept node: runs its operators and keeps the outputs of the
+    first call of ``op`` (detached: the same storage, no graph)."""
+
+    def __init__(self, frame: _KeepFrame, key: int, op: Any) -> None:
+        super().__init__()
+        self.frame, self.key, self.op = frame, key, op
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is self.op and self.key not in self.frame.outputs:
+            self.frame.outputs[self.key] = torch.utils._pytree.tree_map_only(
+                torch.Tensor, torch.Tensor.detach, out
+            )
+        return out
+
+
+class _HandBack(TorchDispatchMode):
+    """In the recompute, around one kept node: the first call of ``op`` returns what the
+    forward kept instead of running (the frame lets go of it); other operators run."""
+
+    def __init__(self, frame: _KeepFrame, key: int, op: Any) -> None:
+        super().__init__()
+        self.frame, self.key, self.op = frame, key, op
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is self.op and self.key in self.frame.outputs:
+            return self.frame.outputs.pop(self.key)
+        return func(*args, **(kwargs or {}))
+
+
+def _keep_begin(key: int, op_name: str) -> None:
+    """Before kept node ``key`` (generated segment code): inside a running checkpoint,
+    catch (forward) or hand back (recompute) its ``op_name`` output."""
+    if torch.compiler.is_compiling():
+        return  # the selective-checkpoint policy does it (_keep_contexts)
+    stack = _frames()
+    if not stack:
+        return  # run without a checkpoint (no autograd)
+    frame = stack[-1]
+    op = _operator(op_name)
+    mode = _HandBack(frame, key, op) if frame.recomputing else _CatchOutputs(frame, key, op)
+    mode.__enter__()
+    frame.mode = mode
+
+
+def _keep_end(key: int, value: Any) -> Any:
+    """After kept node ``key``: leave what :func:`_keep_begin` entered; ``value`` passes
+    through (it orders this call after the node)."""
+    if torch.compiler.is_compiling():
+        return value
+    stack = _frames()
+    if stack and stack[-1].mode is not None:
+        mode, stack[-1].mode = stack[-1].mode, None
+        mode.__exit__(None, None, None)
+    return value
+
+
+def _keep_contexts(wanted: dict[Any, frozenset[int]]) -> tuple[Any, Any]:
+    """The selective-checkpoint context pair keeping the ``wanted`` calls (a module-level
+    function: ``torch.compile`` traces a ``context_fn`` that is a plain function)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    counts: dict[bool, dict[Any, int]] = {False: {}, True: {}}  # this call's, per mode
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        indices = wanted.get(op)
+        if indices is None:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        seen = counts[bool(ctx.is_recompute)]
+        index = seen.get(op, 0)
+        seen[op] = index + 1
+        if index in indices:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+@functools.cache
+def _operator(name: str) -> Any:
+    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``."""
+    namespace, op, overload = name.split(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except AttributeError as error:
+        raise PlanMismatchError(
+            f"the plan keeps the output of operator {name!r}, which this torch does not have; "
+            "re-plan with this torch"
+        ) from error
 
 
 class _PythonRng:
@@ -344,8 +528,21 @@ def _emit_segment(
         sub_env[node] = sub.placeholder(node.name)
     for node in attrs:
         sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
+    kept = {node: (op, index) for node, op, index in spec.kept_ops}
     for node in inside:
-        sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
+        if node.name in kept:  # markers around a kept node (_KeepCalls, eager mechanism)
+            key = len(kept) + len(sub_env)  # unique within the segment
+            sub.call_function(_keep_begin, (key, kept[node.name][0]))
+            made = sub.node_copy(node, lambda n: sub_env[n])
+            sub_env[node] = sub.call_function(_keep_end, (key, made))
+        else:
+            sub_env[node] = sub.node_copy(node, lambda n: sub_env[n])
+    missing = set(kept) - {node.name for node in inside}
+    if missing:
+        raise PlanMismatchError(
+            f"the plan keeps outputs of {sorted(missing)}, which segment {inside[0].name} .. "
+            f"{inside[-1].name} of this graph does not hold; re-plan this model"
+        )
     sub.output(tuple(sub_env[node] for node in outputs))
     fn = _compile(lookup, sub)
     if any(_runs_user_python(node, lookup) for node in inside):
@@ -388,8 +585,31 @@ def _compile(lookup: Callable[[str], Any], graph: fx.Graph) -> Callable[..., Any
 
 def _code(targets: dict[str, Any], graph: fx.Graph) -> Callable[..., Any]:
     """fx's generated ``forward(self, ...)`` for ``graph``, as a plain function: the holder
-    module is thrown away and ``self`` is whatever module the caller passes."""
-    return type(fx.GraphModule(targets, graph)).forward
+    module is thrown away and ``self`` is whatever module the caller passes.
+
+    The same code is the same function: one already generated from the same source text
+    with the same global objects is reused (:data:`_GENERATED`). ``torch.compile`` guards
+    on the functions a forward runs, so a new function object per result makes dynamo
+    recompile a model class for every result, even one of the same plan, and fall back to
+    eager once its recompile limit (8) is spent. (The tree and precision checks, which take
+    the module at trace time, are guarded on it too: autockpt/tree.py, precision.py.)"""
+    holder = fx.GraphModule(targets, graph)
+    fn = type(holder).forward
+    return _GENERATED.setdefault((holder.code, _globals_key(fn)), fn)
+
+
+_GENERATED: weakref.WeakValueDictionary[tuple[Any, ...], Callable[..., Any]] = (
+    weakref.WeakValueDictionary()
+)
+"""Generated functions by (source text, global objects): an entry lives as long as a
+result (or a segment) holds its function."""
+
+
+def _globals_key(fn: Callable[..., Any]) -> tuple[tuple[str, int], ...]:
+    """The global objects ``fn``'s code reads, by name and identity. Identities are safe to
+    compare: a cached function keeps its globals alive (no id is reused while its entry
+    lives), and so does the candidate while it is looked up."""
+    return tuple(sorted((name, id(value)) for name, value in fn.__globals__.items()))
 
 
 def _resolve(model: nn.Module, target: str) -> Any:
@@ -584,6 +804,9 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
     # another precision changes its memory: autockpt/tree.py, autockpt/precision.py.
     check_tree(self, state.tree)
     check_precision(self, state.plan, state.exported, state.warned)
+    if torch.compiler.is_compiling():
+        budget = state.plan.budget_bytes if state.plan is not None else None
+        _warn_if_compiled_unverified(state.code, state.warned, type(self).__name__, budget)
     given = without_defaults(state.signature, kwargs)  # the call as the graph knows it
     if state.planned is not None:
         call = _call_shape(state.signature, args, given)
@@ -602,6 +825,61 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
     elif state.input_check is not None:
         state.input_check(args, given)
     return state.code(self, *args, **given)
+
+
+_VERIFIED_COMPILED = "verified compiled"
+"""The key in a result's ``warned`` set that says its plan is run under the
+``torch.compile`` it was planned and verified with (:func:`mark_verified_compiled`)."""
+
+COMPILED_OVERSHOOT = "from 13% under to 25% over"
+"""How far compiled steps of plans verified eagerly were measured from their budget
+(docs/integrations.md, "torch.compile"), for the :class:`CompileWarning`."""
+
+
+def mark_verified_compiled(module: nn.Module) -> None:
+    """Say that every optimized model in ``module``'s tree is handed back under the
+    ``torch.compile`` its plan is verified with (``optimize(torch.compile(model), ...)``):
+    tracing it is expected and does not warn. Copies (``copy.deepcopy``) keep the mark."""
+    for found in module.modules():
+        state: _Checkpointing | None = vars(found).get(_STATE)
+        if state is not None:
+            state.warned.add(_VERIFIED_COMPILED)
+
+
+@torch.compiler.assume_constant_result
+def _warn_if_compiled_unverified(
+    code: Callable[..., Any], warned: set[Any], name: str, budget_bytes: int | None
+) -> bool:
+    """Warn, once per generated code (one plan of one model), that ``torch.compile`` is
+    tracing a result whose plan was verified for eager steps only; whether it warned is the
+    (constant) result.
+
+    Under ``torch.compile`` it runs once per trace, outside the graph, on copies of its
+    arguments: the mark of a result verified compiled is read from its ``warned`` set, but
+    what was said is kept here, by the graph's code (shared by the results of one plan,
+    :func:`_code`, and guarded by dynamo already). It never takes the module: a module
+    passed to a function dynamo runs at trace time is guarded by identity, so every result
+    of the class would be traced again."""
+    if _VERIFIED_COMPILED in warned or code in _WARNED_COMPILED:
+        return False
+    _WARNED_COMPILED.add(code)
+    budget = f"its budget ({budget_bytes} bytes)" if budget_bytes is not None else "its plan"
+    warnings.warn(
+        f"torch.compile is tracing an optimized {name}; {budget} was verified for eager "
+        "steps only. A compiled step keeps other tensors than the eager one (what the "
+        "compiled backward saves outside the checkpointed segments, zero gradients for "
+        "outputs the loss does not use), and compiled steps of eagerly verified plans were "
+        f"measured {COMPILED_OVERSHOOT} their budgets. To have the budget hold for the "
+        "compiled step, compile first: autockpt.optimize(torch.compile(model), ...) plans "
+        "and verifies the compiled step",
+        CompileWarning,
+        stacklevel=2,
+    )
+    return True
+
+
+_WARNED_COMPILED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""The generated codes (plans) whose compiled trace has warned."""
 
 
 def _check_size(self: nn.Module, state: _Checkpointing, call: CallShape) -> None:

@@ -16,19 +16,23 @@ see, the search is repeated with the budget tightened by the difference (``_fitt
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 from autockpt.problem import Chain, StageRange
 from solvers import METHODS, ChainProblem, InfeasibleError, Solution, solve
 from solvers.replay import MemoryTrace
 from solvers.search import ReplayChain, leanest, least_recompute
+from solvers.selective import least_recompute as selective_least_recompute
 
 __all__ = ["METHODS", "SEARCH_METHODS", "BudgetSearch"]
 
 SEARCH_METHODS = ("auto", "replay")
 """Solver names that mean the search under the replay (``auto`` is the default)."""
 
-Predict = Callable[[Sequence[tuple[int, int]]], int]
+Predict = Callable[..., int]
+"""``predict(segments, kept=())``: stage ranges (and per range the nodes kept inside it)
+-> predicted bytes."""
 _TIGHTEN_ROUNDS = 4
 
 
@@ -49,6 +53,7 @@ class BudgetSearch:
     offset_bytes: int
     predict: Predict
     seeds: tuple[tuple[StageRange, ...], ...] = ()
+    node_seconds: Sequence[float] = ()
     _leanest: Solution | None = None
 
     def __post_init__(self) -> None:
@@ -62,6 +67,7 @@ class BudgetSearch:
             segment_overhead_seconds=problem.segment_overhead_seconds,
             offset_bytes=self.offset_bytes,
             problem=problem,
+            node_seconds=tuple(self.node_seconds),
         )
         self._chain_solutions: dict[tuple[int, str], Solution] = {}
 
@@ -75,8 +81,53 @@ class BudgetSearch:
             self._leanest = _with_peak(found, self.predict(found.segments))
         return self._leanest
 
-    def least_recompute(self, budget_bytes: int, *, time_limit_s: float | None = 30.0) -> Solution:
-        """The least-recompute plan whose predicted peak fits ``budget_bytes``."""
+    def least_recompute(
+        self, budget_bytes: int, *, time_limit_s: float | None = 30.0, selective: bool = True
+    ) -> Solution:
+        """The least-recompute plan whose predicted peak fits ``budget_bytes``. With
+        ``selective``, segments may also keep chosen operator outputs instead of recomputing
+        them (:mod:`solvers.selective`), when that is cheaper under the same replay."""
+        segment_only = self._segment_plan(budget_bytes, time_limit_s)
+        if not selective or not self.replay_chain.node_seconds:
+            return segment_only
+        return self._selective(budget_bytes, segment_only, time_limit_s)
+
+    def _selective(
+        self, budget_bytes: int, segment_only: Solution, time_limit_s: float | None
+    ) -> Solution:
+        """``segment_only`` with operator outputs kept inside its segments where the budget
+        leaves room and keeping saves more than it costs (:mod:`solvers.selective`);
+        ``segment_only`` itself when nothing is worth keeping.
+
+        Why only that plan's segments: trading segments for kept outputs (a leaner segment
+        plan, then keeping matmuls in the room it frees) compares plans of different shape
+        by the cost model, which on the CPU prices matrix multiplies at about twice their
+        measured time and other nodes below theirs; such trades measured 5-15% slower than
+        the segment-only plan (docs/design.md, "Selective recompute"). Keeping outputs in
+        the room a plan leaves only removes recompute from it."""
+        started = time.perf_counter()
+        found = selective_least_recompute(
+            self.replay_chain, budget_bytes, [tuple(segment_only.segments)]
+        )
+        if found is None or not any(found.kept):
+            return segment_only
+        if found.cost_seconds >= segment_only.recompute_seconds:
+            return segment_only
+        peak = self.predict(found.segments, found.kept)
+        if peak > budget_bytes:  # a sharded rank's shift (the replay alone does not see it)
+            return segment_only
+        return Solution(
+            segments=[tuple(seg) for seg in found.segments],
+            recompute_seconds=found.cost_seconds,
+            peak_bytes=peak,
+            status="feasible",
+            method="selective",
+            solve_seconds=segment_only.solve_seconds + time.perf_counter() - started,
+            gap=None,
+            kept=found.kept,
+        )
+
+    def _segment_plan(self, budget_bytes: int, time_limit_s: float | None) -> Solution:
         return self._fitting(
             budget_bytes,
             # the leanest plan is a seed too: a budget at or above the stated minimum

@@ -1133,8 +1133,11 @@ def _dynamic_shapes(model: nn.Module, inputs: Inputs) -> Any | None:
     export keeps a dimension dynamic where the model allows it and silently specialises
     it where the model fixes it (a size-1 example, a view to a literal shape, a table of
     fixed length). Floating tensors keep their other sizes (channels, features, a
-    sequence of embeddings). ``None`` when nothing is marked or export's helper cannot map
-    the inputs to the forward's parameters."""
+    sequence of embeddings). Every other input gets ``None`` (all sizes fixed): 0-dim
+    tensors, non-tensors and ``None``, wherever they are passed, ``**kwargs`` included. The
+    spec is for the forward as :func:`_keywords_as_parameters` shows it to export, which
+    :func:`_export` does whenever it is given a spec. ``None`` when nothing is marked or
+    export's helper cannot map the inputs to the forward's parameters."""
     from torch.export import Dim, ShapesCollection
 
     shapes = ShapesCollection()
@@ -1151,9 +1154,71 @@ def _dynamic_shapes(model: nn.Module, inputs: Inputs) -> Any | None:
     if not marked:
         return None
     try:
-        return shapes.dynamic_shapes(model, inputs.args, inputs.kwargs)
+        with _keywords_as_parameters(model, inputs):
+            return shapes.dynamic_shapes(model, inputs.args, inputs.kwargs)
     except Exception:  # noqa: BLE001 - exported with static shapes instead
         return None
+
+
+def _keyword_parameters(model: nn.Module, inputs: Inputs) -> inspect.Signature | None:
+    """The forward's signature with each keyword input that its ``**kwargs`` receives as a
+    keyword-only parameter of its own, and no ``**kwargs``; ``None`` when no input goes
+    through ``**kwargs`` or such a signature cannot be written (a keyword that is not an
+    identifier, or has the name of a positional-only parameter)."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    extra = [name for name in inputs.kwargs if name not in named]
+    if not extra:
+        return None
+    kept = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    try:
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in extra]
+        return signature.replace(parameters=kept + added)
+    except (TypeError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _keywords_as_parameters(model: nn.Module, inputs: Inputs) -> Iterator[None]:
+    """While exporting with dynamic shapes, ``model.forward`` shows the keyword inputs its
+    ``**kwargs`` receive (the Trainer's ``num_items_in_batch``) as parameters of their own
+    (:func:`_keyword_parameters`). torch.export checks ``dynamic_shapes`` against the
+    forward's signature, where such inputs sit in a dict under the ``**kwargs`` parameter's
+    name, and later matches it against the inputs in call order, where they sit at the top
+    level (pytorch/pytorch#150022, up to at least torch 2.13): no spec passes both, and
+    export fails ("Must provide a tree_name when there might be a mismatch"), so a Hugging
+    Face causal LM planned with the Trainer's call was specialised to the planned shapes.
+    With parameters of their own both views agree. The call is unchanged (the override
+    passes everything on), and so is the graph: its placeholders are named after the
+    keywords either way, and its input spec is the call's. The model is restored on exit
+    (the override is an instance attribute, removed again); without such inputs nothing
+    is changed."""
+    signature = _keyword_parameters(model, inputs)
+    if signature is None:
+        yield
+        return
+    had_own = "forward" in vars(model)
+    previous = vars(model).get("forward")
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if had_own:
+            model.forward = previous
+        else:
+            del model.forward
 
 
 def _export(
@@ -1165,7 +1230,10 @@ def _export(
     the first error stands."""
 
     def run() -> torch.export.ExportedProgram:
-        with _size_oblivious() if dynamic is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if dynamic is not None:  # the spec is for the forward as this shows it
+                stack.enter_context(_size_oblivious())
+                stack.enter_context(_keywords_as_parameters(model, inputs))
             return torch.export.export(
                 model, inputs.args, inputs.kwargs, strict=False, dynamic_shapes=dynamic
             )

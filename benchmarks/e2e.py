@@ -7,11 +7,18 @@ For every workload in :mod:`benchmarks.e2e_models` and in one process:
 
 * fixed methods, one point each: no checkpointing; per-block checkpointing (non-reentrant
   ``checkpoint`` around every block, what Hugging Face's ``gradient_checkpointing_enable``
-  does); ``checkpoint_sequential`` with sqrt(n) segments; Chen's sqrt(L) segments on
-  autockpt's chain; ``torch.compile`` with ``activation_memory_budget`` 0.1 and 0.5;
-* budgeted methods at every budget: Chen's budget-aware greedy, autockpt ``dp`` and ``ilp``,
-  PyTorch's selective-checkpoint ILP (``torch.distributed._tools.sac_ilp``) and Rockmate
-  where they run. A method that cannot run gets a row with the error it raised.
+  does); per-block selective checkpointing with torchtitan's op policy (``titan_sac``: keep
+  matmul and attention outputs except every second projection matmul) and with every matmul
+  and attention output kept (``matmul_sac``); ``checkpoint_sequential`` with sqrt(n)
+  segments; Chen's sqrt(L) segments on autockpt's chain; ``torch.compile`` with
+  ``activation_memory_budget`` 0.1 and 0.5;
+* budgeted methods at every budget: Chen's budget-aware greedy, autockpt (``auto``, which may
+  keep chosen operator outputs inside its segments, and ``auto_segments``, segments only),
+  autockpt ``dp`` and ``ilp``, PyTorch's selective-checkpoint ILP
+  (``torch.distributed._tools.sac_ilp``) and Rockmate where they run. A method that cannot
+  run gets a row with the error it raised;
+* ``compile_auto``: ``torch.compile`` of autockpt's model planned for compile_0.5's measured
+  peak (does compiling autockpt's plan keep it within that budget, and is it faster?).
 
 Budgets per model run from the leanest plan autockpt predicts to the no-checkpoint peak and
 include each fixed method's own measured peak (so "at the memory per-block uses" is a real
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import inspect
 import json
 import os
 import platform
@@ -56,15 +64,33 @@ from autockpt.errors import GIB, InfeasibleBudgetError  # noqa: E402
 from autockpt.measure import measure  # noqa: E402
 from autockpt.runtime import default_loss  # noqa: E402
 from autockpt.trace import Inputs  # noqa: E402
-from benchmarks.e2e_models import Case, cases, per_block, sequential  # noqa: E402
+from benchmarks.e2e_models import Case, cases, op_policy, per_block, sequential  # noqa: E402
 
-FIXED = ("none", "per_block", "sequential", "sqrt", "compile_0.1", "compile_0.5")
-BUDGETED = ("greedy", "auto", "dp", "sac_ilp", "rockmate")
-AUTOCKPT = ("auto",)
-"""autockpt's own rows: the search under the replay (``dp`` is the stage-chain proxy solver,
-judged by the replay, kept as a peer)."""
+FIXED = (
+    "none",
+    "per_block",
+    "titan_sac",
+    "matmul_sac",
+    "sequential",
+    "sqrt",
+    "compile_0.1",
+    "compile_0.5",
+)
+BUDGETED = ("greedy", "auto", "auto_segments", "dp", "sac_ilp", "rockmate")
+COMPILED_PLAN = "compile_auto"
+"""torch.compile of autockpt's plan at compile_0.5's measured peak (one cell per model)."""
+AUTOCKPT = ("auto", "auto_segments")
+"""autockpt's own rows, held to "never over budget": the search under the replay, with and
+without operator outputs kept inside segments (``dp`` is the stage-chain proxy solver, judged
+by the replay, kept as a peer). :data:`COMPILED_PLAN` has a budget target of its own: what
+inductor does to a planned model's memory is outside the plan's guarantee."""
+SEGMENT_ONLY = ("sqrt", "greedy", "auto_segments")
+"""Methods that checkpoint whole segments by definition (Chen's two and autockpt's own
+segment-only row): planned with ``selective=False``."""
+BEST_OF = ("titan_sac", "per_block", "auto_segments")
+"""At every budget, ``auto`` must be at least as fast as the fastest of these that fits."""
 QUICK_MODELS = ("gpt2", "llama", "block_stack")
-QUICK_METHODS = ("none", "per_block", "sequential", "greedy", "auto")
+QUICK_METHODS = ("none", "per_block", "titan_sac", "sequential", "greedy", "auto", "auto_segments")
 COMPILE_DEFAULT_MODELS = ("gpt2", "llama")
 """On a CPU, inductor takes minutes per model to compile (C++ codegen with gcc); the default
 run compiles the two decoders only (``--compile all`` for every model)."""
@@ -89,6 +115,9 @@ class Cell:
     segments: int | None = None
     plan: list[list[int]] | None = None
     """autockpt's segments as chain stage ranges (identical plans time the same)."""
+    kept_ops: list[list[str]] | None = None
+    """Per segment, the fx nodes whose outputs autockpt's plan keeps inside it instead of
+    recomputing them (selective plans; empty lists: segment-only)."""
     same_as: str | None = None
     """The cell whose identical plan was measured and timed (this one shares its numbers)."""
     error: str | None = None
@@ -218,13 +247,34 @@ def _compiled(case: Case, fraction: float, inputs: Inputs, device: torch.device)
     return wrapped
 
 
+def _compile_planned(module: nn.Module, inputs: Inputs) -> nn.Module:
+    """``torch.compile`` (inductor, default ``activation_memory_budget`` of 1.0) of autockpt's
+    planned model; compiles on the first step, so that step is part of the solve time."""
+    compiled = torch.compile(module, backend=_budget_backend(1.0))
+    default_loss(compiled(*inputs.args, **inputs.kwargs)).backward()
+    _clear(compiled)
+    return compiled
+
+
+def optimize_row(
+    planner: Planner, budget_bytes: int, method: str, *, verify: bool = True
+) -> nn.Module:
+    """``planner.optimize`` for a budgeted row: ``auto`` and ``auto_segments`` both use the
+    ``auto`` solver; the :data:`SEGMENT_ONLY` rows pass ``selective=False`` where
+    ``Planner.optimize`` takes it (with a planner that predates selective plans every plan
+    is segment-only, and the argument is left out)."""
+    solver = "auto" if method in ("auto", "auto_segments") else method
+    kwargs: dict[str, Any] = {"budget_gb": budget_bytes / GIB, "solver": solver, "verify": verify}
+    if method in SEGMENT_ONLY and "selective" in inspect.signature(planner.optimize).parameters:
+        kwargs["selective"] = False
+    return planner.optimize(**kwargs)
+
+
 def _sac_ilp(case: Case, inputs: Inputs, budget_bytes: int, device: torch.device) -> nn.Module:
     """PyTorch's selective-checkpoint ILP: estimate memory (MemTracker), op runtimes
     (RuntimeEstimator) and per-module trade-offs (SACEstimator), solve ``sac_milp`` for the
     budget, then checkpoint each chosen module with the per-op save/recompute policy that
     ``get_optimal_checkpointing_policy_per_module`` picks for its discard ratio."""
-    from functools import partial
-
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.ilp_utils import aggregate_stats, parse_module_info
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -283,34 +333,27 @@ def _sac_ilp(case: Case, inputs: Inputs, budget_bytes: int, device: torch.device
         saved = {i for i, bit in enumerate(keep) if bit}
         names = list(stats.func_names)
 
-        def policy(
-            ctx: Any,
-            func: Any,
-            *args: Any,
-            _saved: set = saved,
-            _names: list = names,
-            **kwargs: Any,
-        ) -> Any:
-            # Ops are matched to the estimator's list by name, in order of appearance.
-            counter = ctx.__dict__.setdefault("_autockpt_seen", {})
-            name = str(func)
-            index = [i for i, n in enumerate(_names) if n == name]
-            k = counter.get(name, 0)
-            counter[name] = k + 1
-            if k < len(index) and index[k] in _saved:
-                return CheckpointPolicy.MUST_SAVE
-            return CheckpointPolicy.PREFER_RECOMPUTE
+        def contexts(_saved: set = saved, _names: list = names) -> Any:
+            # Ops are matched to the estimator's list by name, in order of appearance within
+            # one call of the module. The count lives here, one per checkpointed call: torch
+            # hands the policy a new context object for every op, so state kept on it is lost.
+            seen: dict[str, int] = {}
+
+            def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+                name = str(func)
+                index = [i for i, n in enumerate(_names) if n == name]
+                k = seen.get(name, 0)
+                seen[name] = k + 1
+                if k < len(index) and index[k] in _saved:
+                    return CheckpointPolicy.MUST_SAVE
+                return CheckpointPolicy.PREFER_RECOMPUTE
+
+            return create_selective_checkpoint_contexts(policy)
 
         original = target.forward
 
-        def forward(*args: Any, _f: Any = original, _p: Any = policy, **kwargs: Any) -> Any:
-            return checkpoint(
-                _f,
-                *args,
-                use_reentrant=False,
-                context_fn=partial(create_selective_checkpoint_contexts, _p),
-                **kwargs,
-            )
+        def forward(*args: Any, _f: Any = original, _c: Any = contexts, **kwargs: Any) -> Any:
+            return checkpoint(_f, *args, use_reentrant=False, context_fn=_c, **kwargs)
 
         target.forward = forward
     return model
@@ -370,9 +413,13 @@ def run_case(
     rounds: int,
     device: torch.device,
     compile_models: tuple[str, ...],
+    budget_labels: tuple[str, ...] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[Cell]:
-    """Measure every method on ``case``; return its cells (errors included)."""
+    """Measure every method on ``case``; return its cells (errors included).
+
+    ``budget_labels`` keeps only the budgets carrying one of those labels (``halfway``,
+    ``per_block_peak``, ...; None: every budget of :func:`_budgets`)."""
     model, example = case.build()
     model.to(device)
     inputs = Inputs.of(example)
@@ -440,13 +487,14 @@ def run_case(
                 if method == "per_block":
                     built, _ = case.build()
                     module = per_block(case, built.to(device))
+                elif method in ("titan_sac", "matmul_sac"):
+                    built, _ = case.build()
+                    module = op_policy(case, built.to(device), every_other=method == "titan_sac")
                 elif method == "sequential":
                     built, _ = case.build()
                     module = sequential(case, built.to(device))
                 elif method == "sqrt":
-                    module = planner.optimize(
-                        budget_gb=4 * eager_peak / GIB, solver="sqrt"
-                    )
+                    module = optimize_row(planner, 4 * eager_peak, "sqrt")
                     _record_plan(cell, module)
                     cell.profile_seconds = profile_seconds
                 else:
@@ -466,6 +514,8 @@ def run_case(
     peaks = {c.method: c.measured_peak_bytes for c in cells if c.measured_peak_bytes is not None}
     broken: dict[str, str] = {}  # a peer that failed for a reason unrelated to the budget
     for label, budget in _budgets(planner, peaks):
+        if budget_labels is not None and not set(label.split("/")) & set(budget_labels):
+            continue
         for method in BUDGETED:
             if method not in methods:
                 continue
@@ -480,15 +530,13 @@ def run_case(
                 continue
             try:
                 with _quiet():
-                    if method in ("greedy", "auto", "dp", "ilp"):
+                    if method in ("greedy", "auto", "auto_segments", "dp", "ilp"):
                         cell.profile_seconds = profile_seconds
                         # Solve without measuring first: a plan measured before is reused.
-                        draft = planner.optimize(
-                            budget_gb=budget / GIB, solver=method, verify=False
-                        )
+                        draft = optimize_row(planner, budget, method, verify=False)
                         _record_plan(cell, draft)
                         if _key(cell) not in measured_plans:
-                            module = planner.optimize(budget_gb=budget / GIB, solver=method)
+                            module = optimize_row(planner, budget, method)
                             _record_plan(cell, module)
                             peak = module.plan.measured_peak_bytes
                     elif method == "sac_ilp":
@@ -501,8 +549,9 @@ def run_case(
                     f"InfeasibleBudgetError: budget {error.budget_bytes / 2**20:.2f} MiB is "
                     f"below the leanest plan's predicted {error.minimum_bytes / 2**20:.2f} MiB"
                     if error.minimum_bytes > error.budget_bytes
-                    else f"InfeasibleBudgetError: the {method} heuristic found no plan within "
-                    f"{error.budget_bytes / 2**20:.2f} MiB (dp/ilp do)"
+                    else f"InfeasibleBudgetError: {method} found no plan within "
+                    f"{error.budget_bytes / 2**20:.2f} MiB"
+                    + (" (dp/ilp do)" if method == "greedy" else "")
                 )
             except Exception as error:  # noqa: BLE001
                 cell.error = _error_text(error)
@@ -517,6 +566,8 @@ def run_case(
             add(cell, module if cell.error is None else None, step, peak)
             if cell.error is None and cell.plan is not None:
                 measured_plans[_key(cell)] = cell
+    if COMPILED_PLAN in methods:
+        add(*_compiled_plan(case, planner, cells, inputs, compile_models, profile_seconds))
     _interleave(runners, rounds, device)
     for cell, reference in copies:
         cell.times = list(reference.times)
@@ -530,14 +581,70 @@ def run_case(
     return cells
 
 
+def _compiled_plan(
+    case: Case,
+    planner: Planner,
+    cells: list[Cell],
+    inputs: Inputs,
+    compile_models: tuple[str, ...],
+    profile_seconds: float,
+) -> tuple[Cell, nn.Module | None]:
+    """The :data:`COMPILED_PLAN` cell: autockpt planned for compile_0.5's measured peak, then
+    ``torch.compile`` d; its own measured peak says whether compiling kept it in budget."""
+    reference = next((c for c in cells if c.method == "compile_0.5"), None)
+    cell = Cell(case.name, COMPILED_PLAN, "compile_0.5_peak")
+    if reference is None or reference.measured_peak_bytes is None:
+        cell.error = "needs compile_0.5's measured peak: " + (
+            reference.error or "no peak" if reference else "compile_0.5 not run"
+        )
+        return cell, None
+    cell.budget_bytes = reference.measured_peak_bytes
+    cell.profile_seconds = profile_seconds
+    started = time.perf_counter()
+    module: nn.Module | None = None
+    try:
+        if case.name not in compile_models:
+            raise RuntimeError("skipped: not in the models to compile")
+        with _quiet():
+            planned = optimize_row(planner, cell.budget_bytes, "auto")
+            _record_plan(cell, planned)
+            module = _compile_planned(planned, inputs)
+    except InfeasibleBudgetError as error:
+        cell.error = (
+            f"InfeasibleBudgetError: compile_0.5's peak {error.budget_bytes / 2**20:.2f} MiB "
+            f"is below autockpt's leanest plan ({error.minimum_bytes / 2**20:.2f} MiB predicted)"
+        )
+    except Exception as error:  # noqa: BLE001
+        cell.error = _error_text(error)
+        if os.environ.get("AUTOCKPT_BENCH_TRACEBACK"):
+            traceback.print_exc()
+    cell.solve_seconds = time.perf_counter() - started
+    return cell, module
+
+
 def _record_plan(cell: Cell, module: nn.Module) -> None:
     cell.segments = len(module.plan.segments)
     cell.plan = [[s.start_stage, s.end_stage] for s in module.plan.segments]
+    cell.kept_ops = [_kept(s) for s in module.plan.segments]
     cell.predicted_peak_bytes = module.plan.predicted_peak_bytes
 
 
-def _key(cell: Cell) -> tuple[tuple[int, int], ...]:
-    return tuple((a, b) for a, b in cell.plan or ())
+def _kept(segment: Any) -> list[str]:
+    """What a plan segment keeps inside (``kept_ops``), one string per kept operator output:
+    its fx node, else ``op#index``."""
+    found = []
+    for kept in getattr(segment, "kept_ops", ()) or ():
+        node = getattr(kept, "node", None)
+        found.append(
+            str(node) if node else f"{getattr(kept, 'op', kept)}#{getattr(kept, 'index', '')}"
+        )
+    return found
+
+
+def _key(cell: Cell) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
+    """Identifies a plan: its segments and what each keeps inside."""
+    kept = cell.kept_ops or [[] for _ in cell.plan or ()]
+    return tuple((a, b, tuple(k)) for (a, b), k in zip(cell.plan or (), kept, strict=True))
 
 
 def _rockmate_step(module: Any, inputs: Inputs) -> Callable[[], None]:
@@ -556,9 +663,9 @@ def _line(cell: Cell) -> str:
         else " " * 35
     )
     if cell.error:
-        return f"  {cell.method:<12} {where}  error: {cell.error[:110]}"
+        return f"  {cell.method:<13} {where}  error: {cell.error[:110]}"
     over = "  OVER BUDGET" if cell.over_budget else ""
-    return f"  {cell.method:<12} {where}  peak {cell.measured_peak_bytes / 2**20:8.2f} MiB{over}"
+    return f"  {cell.method:<13} {where}  peak {cell.measured_peak_bytes / 2**20:8.2f} MiB{over}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,12 +687,29 @@ class Target:
     note: str = ""
 
 
+PER_BLOCK_LIMITS = (
+    ("per_block_peak", 0.90, "step <= 0.90x per-block at per-block's peak"),
+    ("halfway", 0.80, "step <= 0.80x per-block halfway to no checkpointing"),
+)
+"""``auto``'s step over per-block checkpointing's, at per-block's measured peak and halfway
+from there to no checkpointing."""
+PEERS_AT_PEAK = (
+    "per_block",
+    "titan_sac",
+    "matmul_sac",
+    "sequential",
+    "sqrt",
+    "compile_0.1",
+    "compile_0.5",
+)
+
+
 def evaluate_targets(cells: list[Cell]) -> list[Target]:
-    """The targets, per model, for autockpt's own rows (:data:`AUTOCKPT`)."""
+    """The targets, per model: autockpt's rows (:data:`AUTOCKPT`) never over budget; the
+    speed targets for ``auto``; ``compile_auto`` within and against ``compile_0.5``."""
     out: list[Target] = []
     for model in sorted({c.model for c in cells}):
         mine = [c for c in cells if c.model == model]
-        fixed = {c.method: c for c in mine if c.budget_bytes is None}
         for method in AUTOCKPT:
             planned = [c for c in mine if c.method == method]
             if not planned:
@@ -603,66 +727,133 @@ def evaluate_targets(cells: list[Cell]) -> list[Target]:
                     f"{len(over)} of {len(planned)} plans over budget",
                 )
             )
-
-            def at(label: str, cells_: list[Cell] = planned) -> Cell | None:
-                return next((c for c in cells_ if label in c.budget_label.split("/")), None)
-
-            blocks = fixed.get("per_block")
-            for label, limit, name in (
-                ("per_block_peak", 0.98, "step <= 0.98x per-block at per-block's peak"),
-                ("halfway", 0.90, "step <= 0.90x per-block halfway to no checkpointing"),
-            ):
-                mine_cell = at(label)
-                ratio = paired_ratio(mine_cell, blocks) if mine_cell and blocks else None
-                note = "" if ratio is not None else _why_missing(mine_cell, blocks)
-                out.append(
-                    Target(
-                        model,
-                        method,
-                        name,
-                        label,
-                        ratio,
-                        limit,
-                        None if ratio is None else ratio <= limit,
-                        note,
-                    )
-                )
-            for peer in ("per_block", "sequential", "sqrt", "compile_0.1", "compile_0.5"):
-                other = fixed.get(peer)
-                if other is None or not other.times:
-                    continue
-                mine_cell = at(f"{peer}_peak")
-                if mine_cell is None:
-                    out.append(
-                        Target(
-                            model,
-                            method,
-                            f"step <= {peer} at its peak",
-                            f"{peer}_peak",
-                            None,
-                            1.0,
-                            None,
-                            "peer's peak is above the no-checkpoint peak",
-                        )
-                    )
-                    continue
-                out.append(
-                    _peer_target(
-                        model, method, f"step <= {peer} at its peak",
-                        mine_cell.budget_label, mine_cell, other,
-                    )
-                )
-            for peer in ("greedy", "sac_ilp", "rockmate"):
-                for other in (
-                    c for c in mine if c.method == peer and c.times and not c.over_budget
-                ):
-                    out.append(
-                        _peer_target(
-                            model, method, f"step <= {peer} where it fits",
-                            other.budget_label, at(other.budget_label.split("/")[0]), other,
-                        )
-                    )
+        out += _speed_targets(model, mine)
+        out += _compile_targets(model, mine)
     return out
+
+
+def _at(cells: list[Cell], label: str) -> Cell | None:
+    """The cell whose (merged) budget label includes ``label``."""
+    return next((c for c in cells if label in c.budget_label.split("/")), None)
+
+
+def _speed_targets(model: str, mine: list[Cell], method: str = "auto") -> list[Target]:
+    planned = [c for c in mine if c.method == method]
+    if not planned:
+        return []
+    out: list[Target] = []
+    fixed = {c.method: c for c in mine if c.budget_bytes is None}
+    blocks = fixed.get("per_block")
+    for label, limit, name in PER_BLOCK_LIMITS:
+        mine_cell = _at(planned, label)
+        ratio = paired_ratio(mine_cell, blocks) if mine_cell and blocks else None
+        note = "" if ratio is not None else _why_missing(mine_cell, blocks)
+        met = None if ratio is None else ratio <= limit
+        out.append(Target(model, method, name, label, ratio, limit, met, note))
+    for peer in PEERS_AT_PEAK:
+        other = fixed.get(peer)
+        if other is None or not other.times:
+            continue
+        mine_cell = _at(planned, f"{peer}_peak")
+        if mine_cell is None:
+            note = "no autockpt cell at the peer's peak (above no checkpointing's, or not run)"
+            out.append(
+                Target(
+                    model,
+                    method,
+                    f"step <= {peer} at its peak",
+                    f"{peer}_peak",
+                    None,
+                    1.0,
+                    None,
+                    note,
+                )
+            )
+            continue
+        out.append(
+            _peer_target(
+                model,
+                method,
+                f"step <= {peer} at its peak",
+                mine_cell.budget_label,
+                mine_cell,
+                other,
+            )
+        )
+    for peer in ("greedy", "sac_ilp", "rockmate"):
+        for other in (c for c in mine if c.method == peer and c.times and not c.over_budget):
+            out.append(
+                _peer_target(
+                    model,
+                    method,
+                    f"step <= {peer} where it fits",
+                    other.budget_label,
+                    _at(planned, other.budget_label.split("/")[0]),
+                    other,
+                )
+            )
+    name = f"step <= fastest of {'/'.join(BEST_OF)} that fits"
+    for cell in planned:
+        if cell.budget_bytes is None or cell.error or not cell.times:
+            continue
+        best = _fastest_fitting(mine, cell)
+        if best is None:
+            continue
+        target = _peer_target(model, method, name, cell.budget_label, cell, best)
+        target.note = (
+            f"fastest: {best.method} ({1e3 * (best.step_seconds or 0.0):.1f} ms, "
+            f"peak {_mib(best.measured_peak_bytes)} MiB)"
+            + (f"; {target.note}" if target.note else "")
+        )
+        out.append(target)
+    return out
+
+
+def _fastest_fitting(mine: list[Cell], cell: Cell) -> Cell | None:
+    """The fastest timed :data:`BEST_OF` cell whose measured peak fits ``cell``'s budget (a
+    budgeted one at the same budget, a fixed one wherever its peak fits)."""
+    assert cell.budget_bytes is not None
+    fits = [
+        c
+        for c in mine
+        if c.method in BEST_OF
+        and c.times
+        and c.step_seconds is not None
+        and c.measured_peak_bytes is not None
+        and c.measured_peak_bytes <= cell.budget_bytes
+        and (c.budget_bytes is None or c.budget_label == cell.budget_label)
+    ]
+    return min(fits, key=lambda c: c.step_seconds or 0.0, default=None)
+
+
+def _compile_targets(model: str, mine: list[Cell]) -> list[Target]:
+    """``compile_auto`` (autockpt's plan for compile_0.5's peak, compiled): within that
+    budget, and no slower than compile_0.5."""
+    cell = next((c for c in mine if c.method == COMPILED_PLAN), None)
+    reference = next((c for c in mine if c.method == "compile_0.5"), None)
+    if cell is None:
+        return []
+    label = cell.budget_label
+    if cell.error or cell.measured_peak_bytes is None or not cell.budget_bytes:
+        note = _why_missing(cell, reference)
+        return [
+            Target(model, COMPILED_PLAN, "within compile_0.5's peak", label, None, 1.0, None, note),
+            Target(model, COMPILED_PLAN, "step <= compile_0.5", label, None, 1.0, None, note),
+        ]
+    fraction = cell.measured_peak_bytes / cell.budget_bytes
+    within = Target(
+        model,
+        COMPILED_PLAN,
+        "within compile_0.5's peak",
+        label,
+        fraction,
+        1.0,
+        fraction <= 1.0,
+        f"peak {_mib(cell.measured_peak_bytes)} MiB of {_mib(cell.budget_bytes)} MiB",
+    )
+    assert reference is not None  # the cell has a budget only when compile_0.5 measured one
+    faster = _peer_target(model, COMPILED_PLAN, "step <= compile_0.5", label, cell, reference)
+    return [within, faster]
 
 
 def _peer_target(
@@ -673,8 +864,9 @@ def _peer_target(
     ratio = paired_ratio(mine, other) if mine else None
     met = None if ratio is None else ratio <= 1.0
     note = "" if ratio is not None else _why_missing(mine, other)
-    if ratio is not None and mine.plan is not None and mine.plan == other.plan:
-        met, note = True, "same plan: the ratio is timing noise"
+    if ratio is not None and mine.plan is not None and other.plan is not None:
+        if _key(mine) == _key(other):
+            met, note = True, "same plan: the ratio is timing noise"
     return Target(model, method, name, label, ratio, 1.0, met, note)
 
 
@@ -713,7 +905,9 @@ def _x(value: float | None) -> str:
 def _segments(cell: Cell) -> str:
     if cell.segments is None:
         return ""
-    return f"{cell.segments} (= {cell.same_as})" if cell.same_as else str(cell.segments)
+    kept = sum(len(ops) for ops in cell.kept_ops or ())
+    text = f"{cell.segments} (+{kept} kept ops)" if kept else str(cell.segments)
+    return f"{text} (= {cell.same_as})" if cell.same_as else text
 
 
 def summary_markdown(cells: list[Cell], targets: list[Target]) -> str:
@@ -796,8 +990,16 @@ def headline_markdown(cells: list[Cell], method: str = "auto") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(cells: list[Cell], targets: list[Target], out_dir: Path, meta: dict[str, Any]) -> None:
-    """``e2e.json``, ``e2e.csv``, ``summary.md`` and the two PNGs."""
+def write(
+    cells: list[Cell],
+    targets: list[Target],
+    out_dir: Path,
+    meta: dict[str, Any],
+    *,
+    plots: bool = True,
+) -> None:
+    """``e2e.json``, ``e2e.csv``, ``summary.md``, ``headline.md`` and (``plots``) the two
+    PNGs."""
     out_dir.mkdir(parents=True, exist_ok=True)
     payload = {
         **meta,
@@ -812,18 +1014,23 @@ def write(cells: list[Cell], targets: list[Target], out_dir: Path, meta: dict[st
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["model"])
         writer.writeheader()
         writer.writerows(rows)
-    _plots(cells, out_dir)
+    if plots:
+        _plots(cells, out_dir)
 
 
 _STYLE = {
     "none": ("black", "s"),
     "per_block": ("tab:red", "D"),
+    "titan_sac": ("darkred", ">"),
+    "matmul_sac": ("salmon", "<"),
     "sequential": ("tab:orange", "v"),
     "sqrt": ("tab:brown", "^"),
     "compile_0.1": ("tab:purple", "P"),
     "compile_0.5": ("tab:pink", "X"),
     "greedy": ("tab:olive", "x"),
     "auto": ("tab:blue", "o"),
+    "auto_segments": ("navy", "d"),
+    "compile_auto": ("magenta", "p"),
     "dp": ("tab:cyan", "."),
     "ilp": ("tab:cyan", "."),
     "sac_ilp": ("tab:gray", "*"),
@@ -859,7 +1066,9 @@ def _plots(cells: list[Cell], out_dir: Path) -> None:
                 marker=marker,
                 color=color,
                 label=method,
-                linestyle="-" if method in BUDGETED else "none",
+                linestyle=("--" if method == "auto_segments" else "-")
+                if method in BUDGETED
+                else "none",
                 markersize=7,
             )
         ax.set_title(model)
@@ -874,14 +1083,17 @@ def _plots(cells: list[Cell], out_dir: Path) -> None:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6) or 1, fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    # As many legend columns as the figure's width holds; room below the axes for its rows.
+    ncol = max(1, min(len(labels), 3 * cols))
+    legend_rows = -(-len(labels) // ncol)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
+    fig.tight_layout(rect=(0, (0.15 + 0.2 * legend_rows) / (4 * rows), 1, 1))
     fig.savefig(out_dir / "e2e_frontier.png", dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 5))
     top = 1.0
-    for method in BUDGETED:
+    for method in (*BUDGETED, COMPILED_PLAN):
         got = [
             c
             for c in cells
@@ -924,8 +1136,9 @@ def run(
 ) -> list[Cell]:
     """Run the benchmark and write its files into ``out_dir``; return the cells.
 
-    ``quick`` runs three models (GPT-2, Llama, block stack) at half batch with five methods
-    and three timing rounds; the full run has every model and method and seven rounds.
+    ``quick`` runs three models (GPT-2, Llama, block stack) at half batch with the
+    :data:`QUICK_METHODS` and three timing rounds; the full run has every model and method
+    and seven rounds.
     """
     chosen = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if chosen.type == "cpu":
@@ -937,7 +1150,7 @@ def run(
         raise ValueError(
             f"unknown model(s) {sorted(unknown)}; choose from {[c.name for c in all_cases]}"
         )
-    methods = methods or (QUICK_METHODS if quick else FIXED + BUDGETED)
+    methods = methods or (QUICK_METHODS if quick else (*FIXED, *BUDGETED, COMPILED_PLAN))
     if "none" not in methods:
         methods = ("none", *methods)
     rounds = rounds or (3 if quick else 7)
@@ -971,7 +1184,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 models, 5 methods, 3 rounds")
+    parser.add_argument("--quick", action="store_true", help="3 models, 7 methods, 3 rounds")
     parser.add_argument("--out", type=Path, default=Path("out/e2e"))
     parser.add_argument("--models", default=None, help="comma-separated subset")
     parser.add_argument("--methods", default=None, help="comma-separated subset")

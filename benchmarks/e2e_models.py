@@ -9,7 +9,11 @@ blocks are, which is what the hand-written baselines need:
   ``gradient_checkpointing_enable`` does (and, for the Hugging Face model, *is* that call);
 * ``checkpoint_sequential`` needs the blocks to form a chain of single-tensor modules; where
   they do not (U-Net skips, a library's own layer loop), :attr:`Case.sequential_reason` says
-  why.
+  why;
+* selective per-block checkpointing (:func:`op_policy`): the same per-block wrapper with a
+  ``context_fn`` from ``create_selective_checkpoint_contexts`` that keeps matmul and attention
+  outputs, either all of them or, as torchtitan's op-level policy does, all but every second
+  projection matmul.
 
 Models are written with ``torch`` only: a GPT-2-style decoder (the zoo's :class:`GPT`), a
 Llama-style decoder (RMSNorm, rotary position embedding, SwiGLU MLP, grouped-query attention),
@@ -22,6 +26,7 @@ checkpoint call, while the whole CPU run stays within minutes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
 
 from autockpt.zoo import block_stack, gpt, mlp_mixer, resnet, unet
 
@@ -224,14 +234,20 @@ def _has_transformers() -> bool:
 
 
 class CheckpointedBlock(nn.Module):
-    """``checkpoint(inner, *args, use_reentrant=False)``: per-block checkpointing."""
+    """``checkpoint(inner, *args, use_reentrant=False[, context_fn=...])``: per-block
+    checkpointing, selective when ``context_fn`` is given."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
         super().__init__()
         self.inner = inner
+        self.context_fn = context_fn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+        if self.context_fn is None:
+            return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(
+            self.inner, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs
+        )
 
 
 class SequentialCheckpointed(nn.Module):
@@ -270,20 +286,89 @@ class Case:
         return [f"{self.blocks}.{i}" for i in range(len(container))]
 
 
-def per_block(case: Case, model: nn.Module) -> nn.Module:
-    """Wrap every block of ``model`` (in place) in non-reentrant checkpoint; return it."""
+def per_block(
+    case: Case, model: nn.Module, context_fn: Callable[[], Any] | None = None
+) -> nn.Module:
+    """Wrap every block of ``model`` (in place) in non-reentrant checkpoint; return it.
+
+    ``context_fn`` (selective checkpointing) goes to every block's ``checkpoint`` call; for a
+    Hugging Face model through ``gradient_checkpointing_kwargs``, as its users pass it."""
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     if case.hf_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, **extra}
+        )
         return model
     for path in case.block_paths(model):
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         inner = parent.get_submodule(leaf)
         if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            parent[int(leaf)] = CheckpointedBlock(inner)
+            parent[int(leaf)] = CheckpointedBlock(inner, context_fn)
         else:
-            setattr(parent, leaf, CheckpointedBlock(inner))
+            setattr(parent, leaf, CheckpointedBlock(inner, context_fn))
     return model
+
+
+def _ops(*names: str) -> frozenset[Any]:
+    """``torch.ops.aten.<name>.default`` for each name this torch build has."""
+    found = (getattr(torch.ops.aten, name, None) for name in names)
+    return frozenset(op.default for op in found if op is not None)
+
+
+PROJECTION_OPS = _ops("mm", "addmm")
+"""What a ``Linear`` dispatches to: ``aten.mm`` without a bias, ``aten.addmm`` with one."""
+
+SAVED_OPS = PROJECTION_OPS | _ops(
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+"""The compute-heavy ops whose outputs the selective baselines keep: matmuls and fused
+attention (every ``_scaled_dot_product_*_attention`` kernel this build has)."""
+
+
+def _save_matmuls(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_matmuls_context() -> Callable[[], Any]:
+    """``context_fn`` keeping every output in :data:`SAVED_OPS` (everything else is
+    recomputed); stateless, so one ``functools.partial`` serves every call."""
+    return functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+
+
+class TitanContext:
+    """``context_fn`` of torchtitan's op-level selective checkpointing policy: keep matmul and
+    attention outputs, except every second projection matmul, which is recomputed (halving
+    the projections' saved memory for half their recompute).
+
+    The count restarts at every checkpointed call, so each block keeps the same projections.
+    torchtitan counts ``aten.mm`` only, which is every projection of its bias-free Llama; a
+    ``Linear`` with a bias (GPT-2) dispatches to ``aten.addmm``, so both count here — counting
+    ``mm`` alone would keep all of GPT-2's projections, which the ``matmul_sac`` row does."""
+
+    def __call__(self) -> Any:
+        counts = {False: 0, True: 0}  # forward and recompute count separately
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if func in PROJECTION_OPS:
+                counts[ctx.is_recompute] += 1
+                if counts[ctx.is_recompute] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            return _save_matmuls(ctx, func, *args, **kwargs)
+
+        return create_selective_checkpoint_contexts(policy)
+
+
+def op_policy(case: Case, model: nn.Module, *, every_other: bool = True) -> nn.Module:
+    """Per-block selective checkpointing (in place): torchtitan's policy (``every_other``) or
+    keep every matmul / attention output; return the model."""
+    return per_block(case, model, TitanContext() if every_other else save_matmuls_context())
 
 
 def sqrt_segments(blocks: int) -> int:

@@ -41,6 +41,12 @@ allocations a plan moves:
      addition, a block run without gradients) keeps nothing past its forward and never
      recomputes.
   4. Everything else (gradients, loss, parameter gradients, workspaces) happens as in eager.
+  5. Selective recompute: a node *kept* inside its segment (``saved``; its one allocating
+     operator returns ``MUST_SAVE`` to the checkpoint's selective policy) is not run by the
+     recompute. What its operator made (and what the node hands to autograd) is the
+     forward's own tensor, alive from the forward until the recomputed copy would have died
+     (or, if the recompute stops before it, until the checkpoint's frame dies); its other
+     forward allocations (workspaces) are not made again.
 
   The peak is the static part (parameters, buffers, inputs) plus the highest running sum.
 
@@ -76,6 +82,7 @@ import numpy as np
 
 __all__ = [
     "MemoryTrace",
+    "OpCall",
     "PlanSimulation",
     "Replayer",
     "Window",
@@ -94,6 +101,20 @@ class Window:
 
     phase: str
     node: int
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One operator a node's forward called (that returned a tensor), as recorded:
+    ``name`` (``"aten.mm.default"``), the allocations it made, whether it draws random
+    numbers (``seeded``), and the allocations it wrote to (in place, ``out=``). Selective
+    recompute keeps an operator's output by naming its ``(name, ordinal)`` within a segment
+    (:mod:`solvers.selective`), and must know which outputs are safe to keep."""
+
+    name: str
+    allocations: tuple[int, ...] = ()
+    seeded: bool = False
+    writes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +155,9 @@ class MemoryTrace:
     buffer (a table built on the first call), and a checkpoint snapshots the buffers it
     restores as it finds them: the caller sizes those stashes (``preserve_rng`` as bytes)
     from this, not from the buffer before the step. Not replayed itself."""
+    forward_ops: tuple[tuple[OpCall, ...], ...] = ()
+    """Per compute node, the operators its forward called, in order (empty: not recorded;
+    then no node can be kept inside a segment)."""
 
     def eager_peak_bytes(self) -> int:
         """The recorded step's own peak (static part included)."""
@@ -155,6 +179,7 @@ def simulate(
     trace: MemoryTrace,
     segments: Sequence[tuple[int, int]],
     preserve_rng: Sequence[bool] | None = None,
+    saved: Sequence[Sequence[int]] | None = None,
 ) -> PlanSimulation:
     """Replay ``trace`` with the given checkpointed node ranges ``[first, stop)`` (disjoint,
     within the graph's compute nodes) and return the predicted peak.
@@ -163,20 +188,24 @@ def simulate(
     the checkpoint then holds one state tensor from its forward to the end of its backward
     and another while it recomputes (``trace.rng_state_bytes`` each). An int instead of a
     bool is the bytes segment ``k`` stashes that way (its RNG state and the snapshots of
-    the buffers it restores)."""
-    return replayer(trace).simulate(segments, preserve_rng)
+    the buffers it restores).
+
+    ``saved[k]`` lists nodes of segment ``k`` whose operator outputs the checkpoint keeps
+    from the forward instead of recomputing them (selective recompute, rule 5)."""
+    return replayer(trace).simulate(segments, preserve_rng, saved)
 
 
 def timeline(
     trace: MemoryTrace,
     segments: Sequence[tuple[int, int]],
     preserve_rng: Sequence[bool] | None = None,
+    saved: Sequence[Sequence[int]] | None = None,
 ) -> list[tuple[str, int, int]]:
     """The same replay as :func:`simulate`, as a curve: ``(phase, node, peak bytes)`` for
     every slot of the plan's step in time order, where ``phase`` is ``prologue``,
     ``forward``, ``loss``, ``recompute`` (``node`` = the segment's first node) or
     ``backward``, and bytes include the static part. Its maximum is ``simulate``'s peak."""
-    return replayer(trace).timeline(segments, preserve_rng)
+    return replayer(trace).timeline(segments, preserve_rng, saved)
 
 
 _REPLAYERS: dict[int, Replayer] = {}
@@ -374,6 +403,18 @@ class Replayer:
         self._f_freed_node = np.where(freed_fwd, w_node[np.maximum(wf, 0)], n)  # n: sentinel
         self._f_free_event = a_f[fa]
         self._f_free_window_start = np.where(wf >= 0, woff[np.maximum(wf, 0)], -1)
+        # Rule 5: what a kept operator made (or its node hands to autograd) stays from the
+        # forward; the rest of that node's forward allocations (workspaces) is not made again.
+        made_by_ops: list[set[int]] = [set() for _ in range(n + 1)]
+        for i, ops in enumerate(trace.forward_ops[:n]):
+            for op in ops:
+                made_by_ops[i].update(op.allocations)
+            made_by_ops[i].update(trace.saved[i])
+        self._f_op_made = np.fromiter(
+            (ids[i] in made_by_ops[p] for i, p in zip(fa.tolist(), producer.tolist(), strict=True)),
+            dtype=bool,
+            count=len(fa),
+        )
 
         savers: dict[int, list[int]] = {}
         for i, allocations in enumerate(trace.saved):
@@ -448,10 +489,13 @@ class Replayer:
     # -- public -----------------------------------------------------------------------------
 
     def peak_bytes(
-        self, segments: Sequence[tuple[int, int]], preserve_rng: Sequence[bool] | None = None
+        self,
+        segments: Sequence[tuple[int, int]],
+        preserve_rng: Sequence[bool] | None = None,
+        saved: Sequence[Sequence[int]] | None = None,
     ) -> int:
-        """``simulate(trace, segments, preserve_rng).peak_bytes``, faster (no sort)."""
-        return self._dense_peak(self._points(segments, preserve_rng, self.num_nodes, False))
+        """``simulate(trace, segments, preserve_rng, saved).peak_bytes``, faster (no sort)."""
+        return self._dense_peak(self._points(segments, preserve_rng, self.num_nodes, False, saved))
 
     def lower_bound_bytes(
         self,
@@ -476,10 +520,13 @@ class Replayer:
         return self._dense_peak(self._points(segments, preserve_rng, decided, False))
 
     def simulate(
-        self, segments: Sequence[tuple[int, int]], preserve_rng: Sequence[bool] | None = None
+        self,
+        segments: Sequence[tuple[int, int]],
+        preserve_rng: Sequence[bool] | None = None,
+        saved: Sequence[Sequence[int]] | None = None,
     ) -> PlanSimulation:
         """:func:`simulate` on this trace."""
-        points = self._points(segments, preserve_rng, self.num_nodes, True)
+        points = self._points(segments, preserve_rng, self.num_nodes, True, saved)
         _, cur, slot_of, slot_phase, slot_fclass = self._sorted(points)
         fclass = slot_fclass[slot_of]
         static = self.static_bytes
@@ -500,10 +547,13 @@ class Replayer:
         )
 
     def timeline(
-        self, segments: Sequence[tuple[int, int]], preserve_rng: Sequence[bool] | None = None
+        self,
+        segments: Sequence[tuple[int, int]],
+        preserve_rng: Sequence[bool] | None = None,
+        saved: Sequence[Sequence[int]] | None = None,
     ) -> list[tuple[str, int, int]]:
         """:func:`timeline` on this trace."""
-        points = self._points(segments, preserve_rng, self.num_nodes, True)
+        points = self._points(segments, preserve_rng, self.num_nodes, True, saved)
         _, cur, slot_of, slot_phase, _ = self._sorted(points)
         slots = len(slot_phase)
         top = np.full(slots, np.iinfo(_I64).min, _I64)
@@ -516,6 +566,16 @@ class Replayer:
             (phase, node, int(b))
             for (phase, node), b in zip(slot_phase, peaks.tolist(), strict=True)
         ]
+
+    def recomputed_nodes(self, first: int, stop: int) -> np.ndarray:
+        """Per node of the segment ``[first, stop)``, does its recompute run the node's
+        forward again (the segment recomputes at all, and the node's first event comes
+        before the early stop)? Only those are worth keeping (rule 5)."""
+        _, _, early, _, size, _, _ = self._facts(first, stop)
+        lo = self._fwd_lo[first:stop]
+        if size == 0:
+            return np.zeros(stop - first, bool)
+        return (lo < _NO_WINDOW) & ((early < 0) | (lo < early))
 
     # -- the rules, vectorised ----------------------------------------------------------------
 
@@ -562,12 +622,29 @@ class Replayer:
             self._segment_facts[(first, stop)] = found
         return found
 
+    def _saved_nodes(
+        self, saved: Sequence[Sequence[int]] | None, segs: Sequence[tuple[int, int]]
+    ) -> np.ndarray | None:
+        """Per node (and a sentinel), is it kept inside its segment (rule 5)? None: none is."""
+        if not saved or not any(len(nodes) for nodes in saved):
+            return None
+        if len(saved) != len(segs):
+            raise ValueError(f"saved has {len(saved)} entries for {len(segs)} segments")
+        kept = np.zeros(self.num_nodes + 1, bool)
+        for (first, stop), nodes in zip(segs, saved, strict=True):
+            for node in nodes:
+                if not first <= int(node) < stop:
+                    raise ValueError(f"kept node {node} is outside its segment [{first}, {stop})")
+                kept[int(node)] = True
+        return kept
+
     def _points(
         self,
         segments: Sequence[tuple[int, int]],
         preserve_rng: Sequence[bool] | None,
         decided: int,
         ranks: bool,
+        saved: Sequence[Sequence[int]] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, _Layout, tuple[tuple[int, int], ...]]:
         """The plan's points besides the plan-independent ones: (combined position, bytes,
         rank or None), the layout, and the segments as ints."""
@@ -575,6 +652,9 @@ class Replayer:
         n, count = self.num_nodes, len(segs)
         nf = self._nf
         woff = self._woff
+        kept_node = self._saved_nodes(saved, segs)
+        if kept_node is not None and decided < n:
+            raise ValueError("kept nodes need a decided plan (no lower bounds with them)")
         if not count and decided == n:  # eager: every free where it was
             keep = self._f_freed
             rank = self._f_rank[keep] + 3 if ranks else None
@@ -631,10 +711,12 @@ class Replayer:
         free[rest] = np.maximum(np.maximum(reasons, held), self._f_last_reader_end)[rest]
         if np.any(self._f_last_reader_end[rest] == -2):
             raise KeyError("a reader of a forward allocation has no forward window")
-        keep = np.flatnonzero(free >= 0)
-        pos = [combined(free[keep])]
-        delta = [-self._f_size[keep]]
-        rank = [self._f_rank[keep] + 3] if ranks else []
+        # Combined positions of the originals' frees (-1: never freed); appended last, once
+        # rule 5 has moved the kept operators' outputs.
+        free_at = np.where(free >= 0, combined(np.maximum(free, 0)), -1)
+        pos: list[np.ndarray] = []
+        delta: list[np.ndarray] = []
+        rank: list[np.ndarray] = []
         if decided < n:
             # Saved by an undecided node whose backward freed it: kept, that node holds it
             # until then; checkpointed with its producer, the recompute's copy lives from
@@ -697,16 +779,39 @@ class Replayer:
             early = seg_stop[k]
             half = np.where((early >= 0) & (half > 2 * early - 1), 2 * early - 1, half)
             start, base = block_start[k], 2 * seg_lo[k]
-            pos.append(start + 1 + 2 * e - base)
-            pos.append(
-                np.where(
-                    eager_free < 0, start + 1 + half - base, combined(np.maximum(eager_free, 0))
-                )
+            made_at = start + 1 + 2 * e - base
+            dies_at = np.where(
+                eager_free < 0, start + 1 + half - base, combined(np.maximum(eager_free, 0))
             )
+            if kept_node is not None:
+                # Rule 5: a kept operator is not run again; the recompute uses the tensor the
+                # forward made, which lives on until the recomputed copy would have died.
+                kept = kept_node[self._f_producer[c]]
+                held = kept & self._f_op_made[c]
+                held_c = c[held]
+                free_at[held_c] = np.where(
+                    free_at[held_c] >= 0, np.maximum(free_at[held_c], dies_at[held]), -1
+                )
+                c, made_at, dies_at = c[~kept], made_at[~kept], dies_at[~kept]
+            pos += [made_at, dies_at]
             size = self._f_size[c]
             delta += [size, -size]
             if ranks:
                 rank += [self._f_rank[c] + 1, self._f_rank[c] + 2]
+        if kept_node is not None:
+            # A kept output the recompute never reaches (it stops early before it) stays
+            # with the checkpoint's frame until its backward is over.
+            unreached = kept_node[self._f_producer] & self._f_op_made & ~copy & (own >= 0)
+            unreached &= seg_end[own] >= 0
+            u = np.flatnonzero(unreached)
+            if len(u):
+                frame_end = combined(seg_end[own[u]])
+                free_at[u] = np.where(free_at[u] >= 0, np.maximum(free_at[u], frame_end), -1)
+        keep = np.flatnonzero(free_at >= 0)
+        pos.append(free_at[keep])
+        delta.append(-self._f_size[keep])
+        if ranks:
+            rank.append(self._f_rank[keep] + 3)
 
         # Stashes: the RNG state of a random segment, and the buffer snapshots of a segment
         # that restores buffers (autockpt/rewrite.py): one copy from the segment's forward to

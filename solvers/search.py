@@ -119,6 +119,10 @@ class ReplayChain:
     """Per stage, bytes a segment holding it snapshots besides the RNG state (the buffers it
     restores), held like the RNG stash (:func:`solvers.replay.simulate`); empty: none."""
     problem: ChainProblem | None = None
+    node_seconds: tuple[float, ...] = ()
+    """Per compute node, the recompute seconds keeping it inside a segment saves, net of
+    what keeping costs (:mod:`solvers.selective`); empty: plans keep nothing inside
+    segments."""
 
     def __post_init__(self) -> None:
         stages = tuple((int(first), int(stop)) for first, stop in self.stages)
@@ -149,6 +153,12 @@ class ReplayChain:
         object.__setattr__(self, "stash_bytes", stash)
         object.__setattr__(self, "segment_overhead_seconds", float(self.segment_overhead_seconds))
         object.__setattr__(self, "offset_bytes", int(self.offset_bytes))
+        node_seconds = tuple(float(t) for t in self.node_seconds)
+        if node_seconds and len(node_seconds) != self.trace.num_nodes:
+            raise ValueError("node_seconds needs one entry per compute node (or none)")
+        if not all(math.isfinite(t) and t >= 0 for t in node_seconds):
+            raise ValueError("seconds must be finite and >= 0")
+        object.__setattr__(self, "node_seconds", node_seconds)
 
     @property
     def num_stages(self) -> int:

@@ -56,6 +56,9 @@ class Solution:
     method: str
     solve_seconds: float
     gap: float | None
+    kept: tuple[tuple[int, ...], ...] = ()
+    """Per segment, the compute nodes whose operator output the checkpoint keeps instead
+    of recomputing (selective recompute, :mod:`solvers.selective`); empty: none."""
 
     @property
     def feasible(self) -> bool:

@@ -20,7 +20,14 @@ from torch import nn
 import autockpt
 from autockpt import cli
 from autockpt.api import Planner
-from autockpt.errors import GIB, AutockptError, BudgetError, BudgetTypeError, CompileError
+from autockpt.errors import (
+    GIB,
+    AutockptError,
+    BudgetError,
+    BudgetTypeError,
+    CompileError,
+    CompileWarning,
+)
 from autockpt.rewrite import CheckpointSegment, is_checkpointed, segments_of
 from autockpt.zoo import gpt
 from tests.conftest import assert_same_step, train_step
@@ -281,7 +288,68 @@ def test_optimize_keeps_the_models_torch_compile(planned_net, fresh_dynamo):
     assert fast.plan.measured_peak_bytes <= fast.plan.budget_bytes
     assert autockpt.measure(fast, x, repeat=0).peak_bytes <= fast.plan.budget_bytes
     expected = train_step(copy.deepcopy(model), x)
-    assert_same_step(expected, _strip_compiled(train_step(fast, x)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_step(expected, _strip_compiled(train_step(fast, x)))
+    # Its plan is verified compiled: a trace of it (here after torch._dynamo.reset) is
+    # expected and says nothing.
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught_again:
+        warnings.simplefilter("always")
+        train_step(fast, x)
+    assert not [w for w in caught + caught_again if issubclass(w.category, CompileWarning)]
+
+
+def _compile_warnings(step) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    return [str(w.message) for w in caught if issubclass(w.category, CompileWarning)]
+
+
+def test_compiling_a_plan_verified_eagerly_warns_once(planned_gpt, fresh_dynamo):
+    # The budget is a promise about the eager step (a compiled one was measured up to 25%
+    # over it): compiling the result says so, once per plan, and names the order that
+    # verifies the compiled step.
+    model, inputs, planner = planned_gpt
+    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
+    assert not _compile_warnings(lambda: train_step(fast, inputs))  # eager: nothing to say
+    compiled = torch.compile(fast, backend="aot_eager")
+    said = _compile_warnings(lambda: train_step(compiled, inputs))
+    assert len(said) == 1
+    assert f"budget ({fast.plan.budget_bytes} bytes) was verified for eager steps" in said[0]
+    assert "autockpt.optimize(torch.compile(model), ...)" in said[0]
+    assert not _compile_warnings(lambda: train_step(compiled, inputs))
+    torch._dynamo.reset()  # traced again: said already
+    assert not _compile_warnings(lambda: train_step(compiled, inputs))
+    again = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)  # same plan
+    again = torch.compile(again, backend="aot_eager")
+    assert not _compile_warnings(lambda: train_step(again, inputs))
+    other = planner.optimize(budget_gb=_budget_gb(planner, 0.6), verify=False)
+    other = torch.compile(other, backend="aot_eager")
+    assert len(_compile_warnings(lambda: train_step(other, inputs))) == 1
+
+
+def test_results_of_one_plan_share_their_generated_code(planned_gpt):
+    # dynamo guards on the functions a forward runs: one function per distinct code lets
+    # results of the same plan share a compiled graph instead of recompiling the class.
+    model, inputs, planner = planned_gpt
+    first = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
+    second = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
+    other = planner.optimize(budget_gb=_budget_gb(planner, 0.6), verify=False)
+
+    def ranges(result):
+        return [(seg.start_stage, seg.end_stage) for seg in result.plan.segments]
+
+    assert first is not second and ranges(first) == ranges(second) != ranges(other)
+    assert vars(first)["_autockpt"].code is vars(second)["_autockpt"].code
+    assert vars(first)["_autockpt"].code is not vars(other)["_autockpt"].code
+    ones = [segment._fn for segment in segments_of(first).values()]
+    assert ones and ones == [segment._fn for segment in segments_of(second).values()]
+    # Shared code runs on each result's own tree: gradients equal eager's for both.
+    expected = train_step(copy.deepcopy(model), inputs)
+    for result in (first, second):
+        assert_same_step(expected, train_step(result, inputs))
 
 
 def test_model_compiled_in_place_is_refused_before_capture(monkeypatch):

@@ -22,6 +22,7 @@ from autockpt.measure import measure
 from autockpt.rewrite import SegmentSpec, UncoveredCallWarning, rewrite, segments_of
 from autockpt.trace import Inputs, capture
 from autockpt.zoo import gpt
+from tests.conftest import assert_same_step, train_step
 
 GPT_SIZE = {"layers": 2, "dim": 32, "batch": 4, "seq_len": 16}
 
@@ -207,17 +208,16 @@ def test_trainer_with_batches_padded_to_the_planned_length(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=PlanMismatchError,
-    reason="torch.export keeps no size dynamic for a forward whose **kwargs receive a tensor "
-    "(the Trainer's num_items_in_batch), so the tiny GPT-2's export graph is specialised to "
-    "the planned length and refuses shorter batches; flips when that export is dynamic",
-)
 def test_trainer_with_dynamic_padding_runs_the_plan(trainer_gpt2, tmp_path, checkpoint_calls):
     """Dynamic padding (pad to the longest example of each batch): batches no longer than
-    planned run the plan and train exactly like eager."""
+    planned run the plan and train exactly like eager. The graph was exported with the
+    Trainer's ``num_items_in_batch`` in ``**kwargs`` and still keeps the batch and sequence
+    sizes of the token inputs dynamic."""
     fast, captured = trainer_gpt2
+    assert captured.method == "export"
+    assert set(captured.dynamic_dims) == {
+        f"{name}[{d}]" for name in ("input_ids", "attention_mask", "labels") for d in (0, 1)
+    }
     first = _pad(_examples(LENGTHS[:HF_BATCH]))
     assert first["input_ids"].shape[1] < HF_SEQ  # the first batch is shorter than planned
     _trains_like_eager(fast, tmp_path, _pad, checkpoint_calls)
@@ -239,6 +239,40 @@ def test_trainer_example_from_the_docs_within_budget(tmp_path, checkpoint_calls)
     assert fast.plan.segments and fast.plan.measured_peak_bytes <= budget
     checkpoint_calls.clear()  # verification ran the plan once
     _trains_like_eager(fast, tmp_path, lambda f: _pad(f, HF_SEQ), checkpoint_calls)
+
+
+@pytest.mark.slow
+def test_trainer_call_plan_takes_shorter_batches_within_budget(checkpoint_calls):
+    """Planned with the Trainer's call (``num_items_in_batch`` through ``**kwargs``) under a
+    budget, the result takes the Trainer's calls with fewer and shorter sequences (dynamic
+    padding, a last partial batch): the graph runs them (its segments checkpoint, nothing
+    warns), loss and gradients equal eager's, and a measured step is within the budget."""
+    model = _tiny_gpt2()
+    batch = _as_trainer_sends(_pad(_examples(LENGTHS[:HF_BATCH]), HF_SEQ))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, batch)
+        low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+        budget = int(low + 0.3 * (high - low))
+        fast = planner.optimize(budget_gb=budget / GIB)
+    assert fast.plan.segments and {"input_ids[0]", "input_ids[1]"} <= set(
+        planner.capture.dynamic_dims
+    )
+    for examples in (LENGTHS[:3], LENGTHS[5:7]):  # 3 x 12 and 2 x 11 tokens
+        smaller = _as_trainer_sends(_pad(_examples(examples)))
+        assert smaller["input_ids"].shape[1] < HF_SEQ
+        checkpoint_calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UncoveredCallWarning)  # the graph runs them
+            got = train_step(fast, smaller)
+        assert len(checkpoint_calls) == len(fast.plan.segments)
+        assert_same_step(train_step(copy.deepcopy(model), smaller), got)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert measure(fast, smaller, repeat=1).peak_bytes <= budget
+    longer = _as_trainer_sends(_pad(_examples(LENGTHS[:HF_BATCH]), HF_SEQ + 4))
+    with pytest.raises(PlanMismatchError, match="larger"):
+        fast(**longer)
 
 
 # --------------------------------------------------------------------------------------------

@@ -363,6 +363,84 @@ def test_a_shorter_token_sequence_and_batch_run_like_eager_within_the_budget():
         fast(**_tokens(8, 40))
 
 
+class KwargsTokens(nn.Module):
+    """Takes most of its inputs through ``**kwargs``, as Hugging Face forwards take the
+    Trainer's ``num_items_in_batch``: labels (rank-2 integers), per-example weights (rank-1
+    floats), a count (a 0-dim integer tensor), a plain int, a string and a ``None``; branches
+    on the sequence length in its root forward (export capture)."""
+
+    def __init__(self, vocab: int = 50) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, DIM)
+        self.tail = _tail()
+        self.head = nn.Linear(DIM, vocab)
+
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        h = self.embed(input_ids) * kwargs["weights"][:, None, None]
+        if input_ids.shape[1] > 1:
+            h = h + torch.roll(h, 1, dims=1)
+        if kwargs["extra"] is not None:
+            h = h + kwargs["extra"]
+        logits = self.head(self.tail(h))
+        loss = nn.functional.cross_entropy(
+            logits.flatten(0, 1), kwargs["labels"].flatten(), reduction=kwargs["reduction"]
+        )
+        return loss * kwargs["scale"] / kwargs["num_items"]
+
+
+def _kwargs_tokens(batch: int, seq: int) -> dict:
+    inputs = _tokens(batch, seq)
+    return {
+        **inputs,
+        "weights": torch.linspace(0.5, 1.5, batch),
+        "num_items": torch.tensor(batch * seq),
+        "scale": 2,
+        "reduction": "sum",
+        "extra": None,
+    }
+
+
+def test_the_dynamic_shapes_spec_gives_every_kwargs_input_an_entry():
+    """Inputs through ``**kwargs`` get entries of their own at the top of the spec, as the
+    forward is shown to export (torch.export fails on the spec nested under ``kwargs``):
+    batch and integer sequence dimensions dynamic, a 0-dim tensor and non-tensors fixed."""
+    from torch.export import Dim
+
+    model = KwargsTokens()
+    spec = trace._dynamic_shapes(model, Inputs.of(_kwargs_tokens(8, 32)))
+    assert spec == {
+        "input_ids": {0: Dim.AUTO, 1: Dim.AUTO},
+        "labels": {0: Dim.AUTO, 1: Dim.AUTO},
+        "weights": {0: Dim.AUTO},
+        "num_items": None,
+        "scale": None,
+        "reduction": None,
+        "extra": None,
+    }
+    assert "forward" not in vars(model)  # the forward as found
+
+
+def test_inputs_through_kwargs_keep_export_sizes_dynamic():
+    """A forward whose ``**kwargs`` receive tensors is exported with dynamic sizes: a
+    smaller batch and a shorter sequence run the graph like eager within the budget."""
+    torch.manual_seed(0)
+    model, inputs = KwargsTokens().train(), _kwargs_tokens(8, 32)
+    planner = _quiet_planner(model, inputs)
+    assert planner.capture.method == "export"
+    dims = {"input_ids[0]", "input_ids[1]", "labels[0]", "labels[1]", "weights[0]"}
+    assert set(planner.capture.dynamic_dims) == dims
+    assert "forward" not in vars(model)
+    fast = planner.optimize(budget_gb=_budget(planner, 0.3) / GIB)
+    assert fast.plan.segments
+    smaller = _kwargs_tokens(5, 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncoveredCallWarning)  # the graph runs it
+        _trains_like_eager(model, fast, smaller, steps=1)
+    assert autockpt.measure(fast, smaller, repeat=1).peak_bytes <= fast.plan.budget_bytes
+    with pytest.raises(PlanMismatchError, match=r"num_items is \[1\]"):  # 0-dim: fixed
+        fast(**{**smaller, "num_items": torch.tensor([100])})
+
+
 def test_export_without_dynamic_sizes_falls_back_to_the_planned_shapes(monkeypatch):
     """When export cannot keep the sizes dynamic, capture keeps today's graph specialised
     to the example shapes, and says so."""
