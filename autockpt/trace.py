@@ -1203,14 +1203,22 @@ def _keywords_as_parameters(model: nn.Module, inputs: Inputs) -> Iterator[None]:
     if signature is None:
         yield
         return
-    had_own = "forward" in vars(model)
-    previous = vars(model).get("forward")
     original = model.forward
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return original(*args, **kwargs)
 
     forward.__signature__ = signature  # type: ignore[attr-defined]
+    with _forward_replaced(model, forward):
+        yield
+
+
+@contextlib.contextmanager
+def _forward_replaced(model: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """``model.forward`` is ``forward`` (an instance attribute) until exit, then what the
+    instance had again: its own attribute, or none (the class's method)."""
+    had_own = "forward" in vars(model)
+    previous = vars(model).get("forward")
     model.forward = forward
     try:
         yield
@@ -1535,8 +1543,6 @@ def _outputs_without_opaque_objects(model: nn.Module, dropped: list[str]) -> Ite
     a plain value (one pytree does not know how to take apart) replaced by ``None``; the
     class names of what was replaced are appended to ``dropped``. The model is restored on
     exit (the override is an instance attribute, removed again)."""
-    had_own = "forward" in vars(model)
-    previous = vars(model).get("forward")
     original = model.forward
 
     def strip(value: Any) -> Any:
@@ -1549,14 +1555,8 @@ def _outputs_without_opaque_objects(model: nn.Module, dropped: list[str]) -> Ite
     def forward(*args: Any, **kwargs: Any) -> Any:
         return torch.utils._pytree.tree_map(strip, original(*args, **kwargs))
 
-    model.forward = forward
-    try:
+    with _forward_replaced(model, forward):
         yield
-    finally:
-        if had_own:
-            model.forward = previous
-        else:
-            del model.forward
 
 
 @contextlib.contextmanager

@@ -693,15 +693,7 @@ PER_BLOCK_LIMITS = (
 )
 """``auto``'s step over per-block checkpointing's, at per-block's measured peak and halfway
 from there to no checkpointing."""
-PEERS_AT_PEAK = (
-    "per_block",
-    "titan_sac",
-    "matmul_sac",
-    "sequential",
-    "sqrt",
-    "compile_0.1",
-    "compile_0.5",
-)
+PEERS_AT_PEAK = tuple(method for method in FIXED if method != "none")
 
 
 def evaluate_targets(cells: list[Cell]) -> list[Target]:
