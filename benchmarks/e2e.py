@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import inspect
 import json
 import os
 import platform
@@ -260,14 +259,14 @@ def optimize_row(
     planner: Planner, budget_bytes: int, method: str, *, verify: bool = True
 ) -> nn.Module:
     """``planner.optimize`` for a budgeted row: ``auto`` and ``auto_segments`` both use the
-    ``auto`` solver; the :data:`SEGMENT_ONLY` rows pass ``selective=False`` where
-    ``Planner.optimize`` takes it (with a planner that predates selective plans every plan
-    is segment-only, and the argument is left out)."""
+    ``auto`` solver; the :data:`SEGMENT_ONLY` rows pass ``selective=False``."""
     solver = "auto" if method in ("auto", "auto_segments") else method
-    kwargs: dict[str, Any] = {"budget_gb": budget_bytes / GIB, "solver": solver, "verify": verify}
-    if method in SEGMENT_ONLY and "selective" in inspect.signature(planner.optimize).parameters:
-        kwargs["selective"] = False
-    return planner.optimize(**kwargs)
+    return planner.optimize(
+        budget_gb=budget_bytes / GIB,
+        solver=solver,
+        verify=verify,
+        selective=method not in SEGMENT_ONLY,
+    )
 
 
 def _sac_ilp(case: Case, inputs: Inputs, budget_bytes: int, device: torch.device) -> nn.Module:

@@ -304,30 +304,21 @@ class _Planner:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
-
-class _SelectivePlanner(_Planner):
     def optimize(
         self, *, budget_gb: float, solver: str = "auto", verify: bool = True, selective: bool = True
     ) -> Any:
         self.calls.append(dict(solver=solver, verify=verify, selective=selective))
 
 
-class _OlderPlanner(_Planner):
-    def optimize(self, *, budget_gb: float, solver: str = "auto", verify: bool = True) -> Any:
-        self.calls.append(dict(solver=solver, verify=verify))
-
-
 def test_segment_only_rows_ask_for_segment_only_plans() -> None:
-    new, old = _SelectivePlanner(), _OlderPlanner()
-    for planner in (new, old):
-        for method in ("auto", "auto_segments", "greedy"):
-            e2e.optimize_row(planner, 2**20, method)
-    assert new.calls == [
+    planner = _Planner()
+    for method in ("auto", "auto_segments", "greedy"):
+        e2e.optimize_row(planner, 2**20, method)
+    assert planner.calls == [
         dict(solver="auto", verify=True, selective=True),
         dict(solver="auto", verify=True, selective=False),
         dict(solver="greedy", verify=True, selective=False),
     ]
-    assert old.calls == [dict(solver=s, verify=True) for s in ("auto", "auto", "greedy")]
 
 
 def test_gpu_benchmark_without_a_gpu_says_so_and_exits_0(tmp_path) -> None:
