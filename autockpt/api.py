@@ -574,14 +574,13 @@ class Planner:
     ) -> float:
         """Seconds a plan adds to a step: the measured forward seconds of the nodes it
         recomputes (not those kept inside a segment, which cost ``KEEP_OVERHEAD_SECONDS``
-        each) plus the fixed cost per segment (the cost model's where nothing was measured). The solvers rank plans by the cost model
-        instead (profile.py, note 3)."""
+        each) plus the fixed cost per segment (the cost model's where nothing was measured).
+        The solvers rank plans by the cost model instead (profile.py, note 3)."""
         nodes = self.profile.nodes
         skipped = {i for nodes_kept in kept for i in nodes_kept}
-        ranges = self._node_ranges(segments)[0]
         seconds = sum(
             nodes[i].forward_seconds
-            for first, stop in ranges
+            for first, stop in self._node_ranges(segments)[0]
             for i in range(first, stop)
             if i not in skipped
         )
@@ -594,7 +593,7 @@ class Planner:
         """The model rewritten to checkpoint the given stage ranges, keeping the outputs of
         the compute nodes ``kept[k]`` inside segment ``k`` (no solving, no check; a kept
         node must be one :func:`solvers.selective.keepable_nodes` allows)."""
-        keepable = keepable_nodes(self.trace)
+        keepable = keepable_nodes(self.trace) if any(kept) else frozenset()
         for nodes in kept:
             for i in nodes:
                 if i not in keepable:
@@ -962,7 +961,6 @@ def _make_plan(
     segments = []
     for (start, end), spec, kept in zip(solution.segments, specs, kept_per_segment, strict=True):
         saved = sum(problem.saved_bytes[start:end])
-        calls = kept_calls(planner.trace, spec.first, spec.end, kept)
         segments.append(Segment(
             start_stage=start,
             end_stage=end,
@@ -972,7 +970,7 @@ def _make_plan(
             bytes_freed=saved - problem.input_bytes[start],
             preserve_rng=spec.preserve_rng,
             restore_buffers=spec.restore_buffers,
-            kept_ops=tuple(KeptOp(names[i], op, index) for i, op, index in calls),
+            kept_ops=tuple(KeptOp(*call) for call in spec.kept_ops),
         ))
     in_segment = {k for start, end in solution.segments for k in range(start, end)}
     kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)

@@ -206,7 +206,6 @@ class _KeepCalls:
         for _, name, index in calls:
             wanted.setdefault(_operator(name), set()).add(int(index))
         self.wanted = {op: frozenset(indices) for op, indices in wanted.items()}
-        self.by_node = {node: _operator(name) for node, name, _ in calls}
 
 
 _KEEP_FRAMES = threading.local()

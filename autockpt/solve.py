@@ -23,7 +23,7 @@ from autockpt.problem import Chain, StageRange
 from solvers import METHODS, ChainProblem, InfeasibleError, Solution, solve
 from solvers.replay import MemoryTrace
 from solvers.search import ReplayChain, leanest, least_recompute
-from solvers.selective import least_recompute as selective_least_recompute
+from solvers.selective import keep_greedily
 
 __all__ = ["METHODS", "SEARCH_METHODS", "BudgetSearch"]
 
@@ -90,11 +90,9 @@ class BudgetSearch:
         segment_only = self._segment_plan(budget_bytes, time_limit_s)
         if not selective or not self.replay_chain.node_seconds:
             return segment_only
-        return self._selective(budget_bytes, segment_only, time_limit_s)
+        return self._selective(budget_bytes, segment_only)
 
-    def _selective(
-        self, budget_bytes: int, segment_only: Solution, time_limit_s: float | None
-    ) -> Solution:
+    def _selective(self, budget_bytes: int, segment_only: Solution) -> Solution:
         """``segment_only`` with operator outputs kept inside its segments where the budget
         leaves room and keeping saves more than it costs (:mod:`solvers.selective`);
         ``segment_only`` itself when nothing is worth keeping.
@@ -102,16 +100,12 @@ class BudgetSearch:
         Why only that plan's segments: trading segments for kept outputs (a leaner segment
         plan, then keeping matmuls in the room it frees) compares plans of different shape
         by the cost model, which on the CPU prices matrix multiplies at about twice their
-        measured time and other nodes below theirs; such trades measured 5-15% slower than
+        measured time and other nodes below theirs; such trades measured 3-15% slower than
         the segment-only plan (docs/design.md, "Selective recompute"). Keeping outputs in
         the room a plan leaves only removes recompute from it."""
         started = time.perf_counter()
-        found = selective_least_recompute(
-            self.replay_chain, budget_bytes, [tuple(segment_only.segments)]
-        )
-        if found is None or not any(found.kept):
-            return segment_only
-        if found.cost_seconds >= segment_only.recompute_seconds:
+        found = keep_greedily(self.replay_chain, segment_only.segments, budget_bytes)
+        if not any(found.kept) or found.cost_seconds >= segment_only.recompute_seconds:
             return segment_only
         peak = self.predict(found.segments, found.kept)
         if peak > budget_bytes:  # a sharded rank's shift (the replay alone does not see it)

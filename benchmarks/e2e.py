@@ -629,15 +629,8 @@ def _record_plan(cell: Cell, module: nn.Module) -> None:
 
 
 def _kept(segment: Any) -> list[str]:
-    """What a plan segment keeps inside (``kept_ops``), one string per kept operator output:
-    its fx node, else ``op#index``."""
-    found = []
-    for kept in getattr(segment, "kept_ops", ()) or ():
-        node = getattr(kept, "node", None)
-        found.append(
-            str(node) if node else f"{getattr(kept, 'op', kept)}#{getattr(kept, 'index', '')}"
-        )
-    return found
+    """What a plan segment keeps inside (``kept_ops``): the fx node of each kept output."""
+    return [kept.node for kept in segment.kept_ops]
 
 
 def _key(cell: Cell) -> tuple[tuple[int, int, tuple[str, ...]], ...]:

@@ -31,12 +31,11 @@ How
 ---
 :func:`keep_greedily` starts from one segment plan and keeps nodes one at a time, most
 seconds first (ties: lower node), each only if the replayed peak still fits; a second pass
-orders by seconds per byte kept, and the cheaper result wins. :func:`least_recompute` does
-that for each segment plan it is given and returns the cheapest, in the total order
-``(cost, peak, number of segments, segments, kept)``. The planner gives it the segment-only
-answer at the budget (``autockpt/solve.py`` says why only that one). It is a heuristic over
-the kept sets (the answer's status is ``feasible``), never dearer than the plan it starts
-from. Deterministic: fixed orders and counts, no clocks.
+orders by seconds per byte kept, and the cheaper result wins (total order ``(cost, peak,
+kept)``). The planner starts it from the segment-only answer at the budget
+(``autockpt/solve.py`` says why only that one). It is a heuristic over the kept sets (the
+answer's status is ``feasible``), never dearer than the plan it starts from.
+Deterministic: fixed orders and counts, no clocks.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from dataclasses import dataclass
 from .chain import normalize_segments
 from .replay import MemoryTrace, replayer
 
-__all__ = ["SelectivePlan", "keep_greedily", "keepable_nodes", "least_recompute", "plan_cost"]
+__all__ = ["SelectivePlan", "keep_greedily", "keepable_nodes", "plan_cost"]
 
 Plan = tuple[tuple[int, int], ...]
 Kept = tuple[tuple[int, ...], ...]
@@ -167,21 +166,3 @@ def _kept_bytes(trace: MemoryTrace) -> list[int]:
     """Per node, the bytes its allocating operators made (what keeping it holds)."""
     sizes = trace.sizes
     return [sum(sizes[a] for op in ops for a in op.allocations) for ops in trace.forward_ops]
-
-
-def least_recompute(
-    chain, budget_bytes: int, bases: Iterable[Sequence[Sequence[int]]]
-) -> SelectivePlan | None:
-    """The cheapest selective plan found from the segment plans ``bases`` (each refined by
-    :func:`keep_greedily`) whose peak fits ``budget_bytes``; None when none fits."""
-    best: SelectivePlan | None = None
-    seen: set[Plan] = set()
-    for segments in bases:
-        plan = tuple(normalize_segments(segments, chain.num_stages))
-        if plan in seen:
-            continue
-        seen.add(plan)
-        found = keep_greedily(chain, plan, budget_bytes)
-        if found.peak_bytes <= budget_bytes and (best is None or found.key() < best.key()):
-            best = found
-    return best
