@@ -579,6 +579,20 @@ _SPEECH = {
     "classifier_proj_size": 32,
 }
 _NO_AUGMENT = {"layerdrop": 0.0, "mask_time_prob": 0.0, "mask_feature_prob": 0.0}
+_SPEECH_SEQ2SEQ = {
+    "d_model": 64,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "max_target_positions": 64,
+    "dropout": _DROP,
+    "attention_dropout": _DROP,
+    "use_cache": False,
+}
+"""Speech encoder-decoders' shared sizes (Whisper, Speech2Text)."""
 
 MODELS: tuple[Model, ...] = (
     # --- decoders -----------------------------------------------------------------------------
@@ -1042,17 +1056,7 @@ MODELS: tuple[Model, ...] = (
         {"batch": 4, "frames": 128, "seq_len": 32},
         {"batch": 2},
         **_TEXT,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_target_positions=64,
-        dropout=_DROP,
-        attention_dropout=_DROP,
-        use_cache=False,
+        **_SPEECH_SEQ2SEQ,
         decoder_start_token_id=1,
     ),
     _arch(
@@ -1064,21 +1068,11 @@ MODELS: tuple[Model, ...] = (
         {"batch": 4, "frames": 128, "seq_len": 32},
         {"batch": 2},
         **_TEXT,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
+        **_SPEECH_SEQ2SEQ,
         conv_channels=32,
         conv_kernel_sizes=(5, 5),
         num_conv_layers=2,
         max_source_positions=256,
-        max_target_positions=64,
-        dropout=_DROP,
-        attention_dropout=_DROP,
-        use_cache=False,
         decoder_start_token_id=2,
     ),
     _arch(

@@ -1,4 +1,6 @@
-"""Shared helpers: run one training step the same way on eager and optimized models."""
+"""Shared helpers: run one training step the same way on eager and optimized models; plan
+quietly at a budget between the leanest plan and none; the tiny Hugging Face models tests
+build from configs."""
 
 from __future__ import annotations
 
@@ -9,9 +11,14 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 # Spinning OpenMP workers starve each other on a small shared machine; sleep instead.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import warnings  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
+from autockpt.api import Planner  # noqa: E402
+from autockpt.errors import GIB  # noqa: E402
 from autockpt.runtime import default_loss, tensors_in  # noqa: E402
 from autockpt.trace import Inputs  # noqa: E402
 
@@ -57,3 +64,57 @@ def assert_same_step(expected: dict[str, Any], got: dict[str, Any]) -> None:
 @pytest.fixture
 def tmp_plan(tmp_path):
     return tmp_path / "plan.json"
+
+
+def quiet_planner(model: nn.Module, inputs: Any, **kwargs: Any) -> Planner:
+    """A :class:`Planner` made with its warnings (eval mode, leaves, export) silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Planner(model, inputs, **kwargs)
+
+
+def budget_between(planner: Planner, fraction: float) -> int:
+    """Bytes ``fraction`` of the way from the leanest plan's peak to no checkpointing."""
+    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+    return int(low + fraction * (high - low))
+
+
+def budget_gb_between(planner: Planner, fraction: float) -> float:
+    """:func:`budget_between` in GiB, as ``optimize(budget_gb=...)`` takes it."""
+    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+    return (low + fraction * (high - low)) / GIB
+
+
+def tiny_gpt2() -> nn.Module:
+    """A 2-layer Hugging Face GPT-2 LM head model from a config (seeded, training mode)."""
+    transformers = pytest.importorskip("transformers")
+    from autockpt.zoo_hf import quiet_transformers
+
+    with quiet_transformers():
+        config = transformers.GPT2Config(
+            vocab_size=128,
+            n_positions=32,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config).train()
+
+
+TINY_SPEECH = dict(
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    intermediate_size=64,
+    conv_dim=(16, 16),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=2,
+)
+"""The sizes of a tiny Hugging Face speech model (Wav2Vec2, HuBERT configs)."""

@@ -21,8 +21,7 @@ from torch import nn
 
 import autockpt
 from autockpt.api import Planner
-from autockpt.errors import GIB
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, budget_gb_between, quiet_planner, train_step
 
 DIM = 32
 SEQ = 32
@@ -134,17 +133,6 @@ def _example(seed: int = 1) -> torch.Tensor:
     return torch.randn(BATCH, SEQ, DIM, generator=torch.Generator().manual_seed(seed))
 
 
-def _planner(model: nn.Module, x: Any, **kwargs: Any) -> Planner:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return Planner(model, x, **kwargs)
-
-
-def _budget_gb(planner: Planner, fraction: float) -> float:
-    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-    return (low + fraction * (high - low)) / GIB
-
-
 def _nodes_of(planner: Planner, seg: autockpt.Segment) -> set[str]:
     """The compute nodes a plan's segment recomputes."""
     names = list(planner.chain.node_names)
@@ -220,11 +208,11 @@ def test_planning_leaves_a_lazily_rebuilt_buffer_as_found():
     untouched = copy.deepcopy(model)
     x = _example()
     snap = _Snapshot(model)
-    planner = _planner(model, x, leaf_modules=LEAVES)
+    planner = quiet_planner(model, x, leaf_modules=LEAVES)
     snap.check(model, "Planner")
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.0))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     snap.check(model, "Planner.optimize")
-    autockpt.optimize(model, x, budget_gb=_budget_gb(planner, 0.5), leaf_modules=LEAVES)
+    autockpt.optimize(model, x, budget_gb=budget_gb_between(planner, 0.5), leaf_modules=LEAVES)
     snap.check(model, "optimize")
     autockpt.apply(model, fast.plan, x)
     snap.check(model, "apply")
@@ -245,7 +233,7 @@ def test_measure_leaves_a_lazily_rebuilt_buffer_as_found():
     autockpt.measure(model, x, repeat=1)
     snap.check(model, "measure")
     _same_buffers(model, untouched)
-    fast = _planner(model, x, leaf_modules=LEAVES).optimize(budget_gb=10.0, verify=False)
+    fast = quiet_planner(model, x, leaf_modules=LEAVES).optimize(budget_gb=10.0, verify=False)
     fast_snap = _Snapshot(fast)
     autockpt.measure(fast, x, repeat=1)
     fast_snap.check(fast, "measure of the optimized model")
@@ -263,7 +251,7 @@ def test_capture_leaves_no_trace_of_tracing_in_the_model():
 
 
 def test_profile_counts_a_reassigned_buffer_as_mutated():
-    planner = _planner(_made(TableNet), _example(), leaf_modules=LEAVES)
+    planner = quiet_planner(_made(TableNet), _example(), leaf_modules=LEAVES)
     assert {"table.table", "count.steps"} <= set(planner.profile.mutated_buffers)
 
 
@@ -272,8 +260,8 @@ def test_a_model_replacing_buffers_trains_like_eager(fraction):
     model = _made(TableNet)
     eager = copy.deepcopy(model)
     x = _example()
-    planner = _planner(model, x, leaf_modules=LEAVES)
-    fast = planner.optimize(budget_gb=_budget_gb(planner, fraction))
+    planner = quiet_planner(model, x, leaf_modules=LEAVES)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, fraction))
     inside = set().union(*(_nodes_of(planner, seg) for seg in fast.plan.segments))
     if fraction == 0.0:
         # the leanest plan recomputes both modules: their buffers must be restored around it
@@ -306,11 +294,11 @@ def test_forward_scaling_its_input_leaves_the_callers_tensor_as_found():
         assert (x.dtype, x.shape, x.stride()) == (keep.dtype, keep.shape, keep.stride()), when
         assert not x.requires_grad and x.grad is None, when
 
-    planner = _planner(model, x)
+    planner = quiet_planner(model, x)
     unchanged("Planner")
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.0))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     unchanged("Planner.optimize")
-    autockpt.optimize(model, x, budget_gb=_budget_gb(planner, 0.5))
+    autockpt.optimize(model, x, budget_gb=budget_gb_between(planner, 0.5))
     unchanged("optimize")
     autockpt.measure(model, x, repeat=2)
     unchanged("measure")
@@ -326,8 +314,8 @@ def test_an_input_that_requires_grad_is_left_as_found():
     model = _made(TableNet)
     x = _example().requires_grad_()
     version = x._version
-    planner = _planner(model, x, leaf_modules=LEAVES)
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.0))
+    planner = quiet_planner(model, x, leaf_modules=LEAVES)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     autockpt.measure(fast, x, repeat=1)
     autockpt.measure(model, x, repeat=1)
     assert x.grad is None
@@ -377,11 +365,11 @@ def test_planning_leaves_the_global_generators_as_found():
     random.seed(3)
     np.random.seed(3)
     before = _generators()
-    planner = _planner(model, x, leaf_modules=("noisy",))
+    planner = quiet_planner(model, x, leaf_modules=("noisy",))
     _assert_generators(before, "Planner")
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.0))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     _assert_generators(before, "Planner.optimize")
-    autockpt.optimize(model, x, budget_gb=_budget_gb(planner, 0.5), leaf_modules=("noisy",))
+    autockpt.optimize(model, x, budget_gb=budget_gb_between(planner, 0.5), leaf_modules=("noisy",))
     _assert_generators(before, "optimize")
     autockpt.measure(model, x, repeat=1)
     _assert_generators(before, "measure")
@@ -400,8 +388,8 @@ def test_a_seeded_run_does_not_depend_on_whether_optimize_ran():
         random.seed(11)
         np.random.seed(11)
         if optimize_first:
-            planner = _planner(model, x, leaf_modules=("noisy",))
-            planner.optimize(budget_gb=_budget_gb(planner, 0.0))
+            planner = quiet_planner(model, x, leaf_modules=("noisy",))
+            planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
         seen = []
         for _ in range(3):
             out = model(x)
@@ -418,8 +406,8 @@ def test_dropout_model_trains_like_eager_after_seeded_planning():
     model.noisy = nn.Identity()
     eager = copy.deepcopy(model)
     x = _example()
-    planner = _planner(model, x)
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.0))
+    planner = quiet_planner(model, x)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     assert any(seg.preserve_rng for seg in fast.plan.segments)
     for seed in (0, 1, 2):
         assert_same_step(train_step(eager, x, seed), train_step(fast, x, seed))
@@ -440,11 +428,11 @@ def test_planning_and_measuring_leave_the_model_state_as_found():
     model[4].bias.grad = torch.zeros_like(model[4].bias)
     snap = _Snapshot(model)
     assert model[1].num_batches_tracked.item() == 1
-    planner = _planner(model, x)
+    planner = quiet_planner(model, x)
     snap.check(model, "Planner")
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.0))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     snap.check(model, "Planner.optimize")
-    autockpt.optimize(model, x, budget_gb=_budget_gb(planner, 0.5))
+    autockpt.optimize(model, x, budget_gb=budget_gb_between(planner, 0.5))
     snap.check(model, "optimize")
     autockpt.measure(model, x, repeat=1)
     snap.check(model, "measure")
@@ -455,7 +443,7 @@ def test_planning_and_measuring_leave_the_model_state_as_found():
     model.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        planner = _planner(model, x)
+        planner = quiet_planner(model, x)
     snap.training = [False] * len(snap.modules)
     snap.check(model, "Planner in eval mode")
 

@@ -25,7 +25,7 @@ from autockpt.rewrite import CheckpointSegment, segments_of
 from autockpt.rng import PythonRngStates, RngStates, worst_case_draws
 from autockpt.runtime import default_loss
 from autockpt.trace import Inputs, capture
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import TINY_SPEECH, assert_same_step, train_step
 
 W = 16
 SEEDS = (0, 1, 2, 3)
@@ -496,15 +496,7 @@ def test_hugging_face_layerdrop(name: str) -> None:
     transformers = pytest.importorskip("transformers")
     config_class = {"HubertModel": "HubertConfig", "Wav2Vec2Model": "Wav2Vec2Config"}[name]
     config = getattr(transformers, config_class)(
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=2,
+        **TINY_SPEECH,
         layerdrop=0.5,
         mask_time_prob=0.0,
         hidden_dropout=0.1,

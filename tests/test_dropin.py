@@ -30,7 +30,7 @@ from autockpt.errors import (
 )
 from autockpt.rewrite import CheckpointSegment, is_checkpointed, segments_of
 from autockpt.zoo import gpt
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, budget_gb_between, quiet_planner, train_step
 
 
 class Net(nn.Module):
@@ -57,28 +57,16 @@ def net(p: float = 0.1) -> tuple[nn.Module, torch.Tensor]:
     return Net(p=p).train(), torch.randn(256, 32)
 
 
-def _quiet_planner(model: nn.Module, inputs) -> Planner:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return Planner(model, inputs)
-
-
-def _budget_gb(planner: Planner, fraction: float) -> float:
-    """A budget ``fraction`` of the way from the leanest plan's peak to no checkpointing."""
-    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-    return (low + fraction * (high - low)) / GIB
-
-
 @pytest.fixture(scope="module")
 def planned_net():
     model, x = net()
-    return model, x, _quiet_planner(model, x)
+    return model, x, quiet_planner(model, x)
 
 
 @pytest.fixture(scope="module")
 def planned_gpt():
     model, inputs = gpt(layers=2, dropout=0.0)
-    return model, inputs, _quiet_planner(model, inputs)
+    return model, inputs, quiet_planner(model, inputs)
 
 
 def _count_segment_calls(result: nn.Module) -> list[int]:
@@ -155,7 +143,7 @@ def test_cli_refuses_bad_budget_as_a_usage_error(value, capsys, monkeypatch):
 
 def test_model_in_eval_mode_is_planned_for_training(planned_net):
     model, x, planner = planned_net
-    budget_gb = _budget_gb(planner, 0.1)
+    budget_gb = budget_gb_between(planner, 0.1)
     user = copy.deepcopy(model).eval()
     user.blocks[0][2].train()  # a mixed tree (a ReLU): every module's mode comes back as found
     modes = [m.training for m in user.modules()]
@@ -177,7 +165,7 @@ def test_model_in_eval_mode_is_planned_for_training(planned_net):
 
 def test_apply_to_a_model_in_eval_mode_plans_training(planned_net, tmp_path):
     model, x, planner = planned_net
-    plan = planner.optimize(budget_gb=_budget_gb(planner, 0.1)).plan
+    plan = planner.optimize(budget_gb=budget_gb_between(planner, 0.1)).plan
     user = copy.deepcopy(model).eval()
     with pytest.warns(UserWarning, match="eval mode"):
         again = autockpt.apply(user, plan, x)
@@ -197,7 +185,7 @@ def test_model_in_training_mode_with_frozen_submodule_is_planned_as_it_is(planne
         warnings.simplefilter("always")
         planner = Planner(user, x)
     assert not [w for w in caught if "eval mode" in str(w.message)]
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.1))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.1))
     assert not user.blocks[2][1].training
     assert_same_step(train_step(copy.deepcopy(user), x), train_step(fast, x))
 
@@ -207,8 +195,8 @@ def test_model_in_training_mode_with_frozen_submodule_is_planned_as_it_is(planne
 
 def test_optimizing_a_result_plans_the_original_again(planned_gpt):
     model, inputs, planner = planned_gpt
-    first = planner.optimize(budget_gb=_budget_gb(planner, 0.2))
-    budget_gb = _budget_gb(planner, 0.6)
+    first = planner.optimize(budget_gb=budget_gb_between(planner, 0.2))
+    budget_gb = budget_gb_between(planner, 0.6)
     second = autockpt.optimize(first, inputs, budget_gb=budget_gb)
     assert second.plan.budget_bytes == int(budget_gb * GIB)
     assert second.plan.graph_fingerprint == first.plan.graph_fingerprint  # the original's graph
@@ -248,7 +236,7 @@ def test_compiled_result_trains_like_eager(planned_net, fresh_dynamo):
     # the functionalized graph updates them once per step. Dropout is recomputed with the
     # forward's mask.
     model, x, planner = planned_net
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.1))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.1))
     assert any(seg.restore_buffers for seg in fast.plan.segments)
     assert any(seg.preserve_rng for seg in fast.plan.segments)
     compiled = torch.compile(fast, backend="aot_eager")
@@ -264,7 +252,7 @@ def test_compiled_result_trains_like_eager(planned_net, fresh_dynamo):
 
 def test_segments_without_buffers_pass_no_context_fn(planned_gpt, monkeypatch):
     _, inputs, planner = planned_gpt
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.2), verify=False)
     seen = []
     real = torch.utils.checkpoint.checkpoint
 
@@ -279,7 +267,7 @@ def test_segments_without_buffers_pass_no_context_fn(planned_gpt, monkeypatch):
 
 def test_optimize_keeps_the_models_torch_compile(planned_net, fresh_dynamo):
     model, x, planner = planned_net
-    budget_gb = _budget_gb(planner, 0.5)
+    budget_gb = budget_gb_between(planner, 0.5)
     given = torch.compile(copy.deepcopy(model), backend="aot_eager")
     fast = autockpt.optimize(given, x, budget_gb=budget_gb)
     assert type(fast) is type(given) and fast.dynamo_ctx is given.dynamo_ctx
@@ -312,7 +300,7 @@ def test_compiling_a_plan_verified_eagerly_warns_once(planned_gpt, fresh_dynamo)
     # over it): compiling the result says so, once per plan, and names the order that
     # verifies the compiled step.
     model, inputs, planner = planned_gpt
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.2), verify=False)
     assert not _compile_warnings(lambda: train_step(fast, inputs))  # eager: nothing to say
     compiled = torch.compile(fast, backend="aot_eager")
     said = _compile_warnings(lambda: train_step(compiled, inputs))
@@ -322,10 +310,10 @@ def test_compiling_a_plan_verified_eagerly_warns_once(planned_gpt, fresh_dynamo)
     assert not _compile_warnings(lambda: train_step(compiled, inputs))
     torch._dynamo.reset()  # traced again: said already
     assert not _compile_warnings(lambda: train_step(compiled, inputs))
-    again = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)  # same plan
+    again = planner.optimize(budget_gb=budget_gb_between(planner, 0.2), verify=False)  # same plan
     again = torch.compile(again, backend="aot_eager")
     assert not _compile_warnings(lambda: train_step(again, inputs))
-    other = planner.optimize(budget_gb=_budget_gb(planner, 0.6), verify=False)
+    other = planner.optimize(budget_gb=budget_gb_between(planner, 0.6), verify=False)
     other = torch.compile(other, backend="aot_eager")
     assert len(_compile_warnings(lambda: train_step(other, inputs))) == 1
 
@@ -334,9 +322,9 @@ def test_results_of_one_plan_share_their_generated_code(planned_gpt):
     # dynamo guards on the functions a forward runs: one function per distinct code lets
     # results of the same plan share a compiled graph instead of recompiling the class.
     model, inputs, planner = planned_gpt
-    first = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
-    second = planner.optimize(budget_gb=_budget_gb(planner, 0.2), verify=False)
-    other = planner.optimize(budget_gb=_budget_gb(planner, 0.6), verify=False)
+    first = planner.optimize(budget_gb=budget_gb_between(planner, 0.2), verify=False)
+    second = planner.optimize(budget_gb=budget_gb_between(planner, 0.2), verify=False)
+    other = planner.optimize(budget_gb=budget_gb_between(planner, 0.6), verify=False)
 
     def ranges(result):
         return [(seg.start_stage, seg.end_stage) for seg in result.plan.segments]
@@ -367,8 +355,8 @@ def test_compiled_result_with_inductor(fresh_dynamo):
     # a plan (equal: the checkpointed regions compute the same kernels), and with eager to
     # float tolerance.
     model, x = net(p=0.0)
-    planner = _quiet_planner(model, x)
-    fast = planner.optimize(budget_gb=_budget_gb(planner, 0.1))
+    planner = quiet_planner(model, x)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.1))
     compiled = torch.compile(fast, backend="inductor")
     plain = torch.compile(copy.deepcopy(model), backend="inductor")
     got = _strip_compiled(train_step(compiled, x))

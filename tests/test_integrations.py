@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 import autockpt.rewrite as rewrite_module
-from autockpt.api import Planner
 from autockpt.errors import GIB, PlanMismatchError
 from autockpt.measure import measure
 from autockpt.rewrite import SegmentSpec, UncoveredCallWarning, rewrite, segments_of
 from autockpt.trace import Inputs, capture
 from autockpt.zoo import gpt
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, budget_between, quiet_planner, tiny_gpt2, train_step
 
 GPT_SIZE = {"layers": 2, "dim": 32, "batch": 4, "seq_len": 16}
 
@@ -50,26 +49,6 @@ def _uncovered(caught: list[warnings.WarningMessage]) -> list[str]:
 # Hugging Face Trainer
 
 HF_BATCH, HF_SEQ, HF_EXAMPLES = 4, 16, 8
-
-
-def _tiny_gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    from autockpt.zoo_hf import quiet_transformers
-
-    with quiet_transformers():
-        config = transformers.GPT2Config(
-            vocab_size=128,
-            n_positions=32,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(config).train()
 
 
 def _examples(lengths: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -109,7 +88,7 @@ def trainer_gpt2():
     """A tiny GPT2LMHeadModel and its result, planned for what the Trainer sends with batches
     padded to HF_SEQ (input_ids, attention_mask, labels, num_items_in_batch). Segments are
     given by hand: what is under test is the Trainer running them, not the search."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     inputs = Inputs.of(_as_trainer_sends(_pad(_examples(LENGTHS[:HF_BATCH]), HF_SEQ)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -188,7 +167,7 @@ def _assert_same_training(expected, got) -> None:
 
 
 def _trains_like_eager(fast: nn.Module, tmp_path, collate, checkpoint_calls) -> None:
-    expected = _train(_tiny_gpt2(), tmp_path / "eager", collate)
+    expected = _train(tiny_gpt2(), tmp_path / "eager", collate)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _train(copy.deepcopy(fast), tmp_path / "fast", collate)
@@ -228,13 +207,12 @@ def test_trainer_example_from_the_docs_within_budget(tmp_path, checkpoint_calls)
     """docs/integrations.md's flow end to end: ``optimize`` with what the Trainer sends, a
     budget 30% of the way from the leanest plan to none, verified by a measured step; the
     Trainer then trains exactly like eager with the plan's segments."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     batch = _as_trainer_sends(_pad(_examples(LENGTHS[:HF_BATCH]), HF_SEQ))
+    planner = quiet_planner(model, batch)
+    budget = budget_between(planner, 0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        planner = Planner(model, batch)
-        low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-        budget = int(low + 0.3 * (high - low))
         fast = planner.optimize(budget_gb=budget / GIB)
     assert fast.plan.segments and fast.plan.measured_peak_bytes <= budget
     checkpoint_calls.clear()  # verification ran the plan once
@@ -247,13 +225,12 @@ def test_trainer_call_plan_takes_shorter_batches_within_budget(checkpoint_calls)
     budget, the result takes the Trainer's calls with fewer and shorter sequences (dynamic
     padding, a last partial batch): the graph runs them (its segments checkpoint, nothing
     warns), loss and gradients equal eager's, and a measured step is within the budget."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     batch = _as_trainer_sends(_pad(_examples(LENGTHS[:HF_BATCH]), HF_SEQ))
+    planner = quiet_planner(model, batch)
+    budget = budget_between(planner, 0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        planner = Planner(model, batch)
-        low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-        budget = int(low + 0.3 * (high - low))
         fast = planner.optimize(budget_gb=budget / GIB)
     assert fast.plan.segments and {"input_ids[0]", "input_ids[1]"} <= set(
         planner.capture.dynamic_dims
@@ -283,11 +260,10 @@ def test_trainer_call_plan_takes_shorter_batches_within_budget(checkpoint_calls)
 def small_gpt():
     """The zoo's small GPT (fx capture, dropout on) as found, its result and the budget."""
     model, inputs = gpt(**GPT_SIZE)
+    planner = quiet_planner(model, inputs)
+    budget = budget_between(planner, 0.3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        planner = Planner(model, inputs)
-        low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-        budget = int(low + 0.3 * (high - low))
         fast = planner.optimize(budget_gb=budget / GIB)
     assert fast.plan.capture_method == "fx" and fast.plan.segments
     return model, fast, inputs, budget

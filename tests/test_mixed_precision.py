@@ -16,13 +16,13 @@ from torch import nn
 import autockpt
 from autockpt.allocations import allocator_events, peak_above_start, profiler_session
 from autockpt.api import Planner
-from autockpt.errors import GIB, PlanMismatchError
+from autockpt.errors import PlanMismatchError
 from autockpt.measure import static_bytes
 from autockpt.precision import Precision, PrecisionWarning
 from autockpt.runtime import default_loss
 from autockpt.trace import Inputs
 from autockpt.zoo import root_shape_branch
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, budget_gb_between, train_step
 
 WIDTH, LAYERS, BATCH = 64, 6, 256
 
@@ -45,11 +45,6 @@ def _export_model() -> tuple[nn.Module, torch.Tensor]:
     return root_shape_branch(width=16, blocks=2, batch=8, seq_len=3, in_features=24)
 
 
-def _midway(planner: Planner, fraction: float = 0.5) -> float:
-    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-    return (low + fraction * (high - low)) / GIB
-
-
 @pytest.fixture(scope="module")
 def autocast_planner():
     model, x = _mlp()
@@ -65,7 +60,7 @@ def test_plan_made_under_autocast_holds_under_autocast(autocast_planner, fractio
     cache was counted the prediction was 3-8% low and the step over budget."""
     model, x, planner = autocast_planner
     with autocast():
-        fast = planner.optimize(budget_gb=_midway(planner, fraction))
+        fast = planner.optimize(budget_gb=budget_gb_between(planner, fraction))
         measured = autockpt.measure(fast, x, repeat=0, warmup=1)
     plan = fast.plan
     assert plan.segments, "the budget should need checkpointing"
@@ -108,7 +103,7 @@ def test_measure_counts_autocast_weight_casts_in_every_step(autocast_planner):
 def test_optimized_model_trains_like_eager_under_autocast(autocast_planner):
     model, x, planner = autocast_planner
     with autocast():
-        fast = planner.optimize(budget_gb=_midway(planner, 0.0))
+        fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
         expected = train_step(copy.deepcopy(model), x)
         got = train_step(fast, x)
     assert fast.plan.segments
@@ -120,7 +115,7 @@ def test_backward_outside_autocast_stays_within_the_prediction(autocast_planner)
     forward, so the step holds at most what was planned."""
     model, x, planner = autocast_planner
     with autocast():
-        fast = planner.optimize(budget_gb=_midway(planner, 0.0))
+        fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     static = static_bytes(fast, Inputs.of(x))
     with profiler_session() as session:
         with autocast():
@@ -136,7 +131,7 @@ def test_float32_plan_under_autocast_warns_once_and_trains_like_eager():
     the plan's memory does not describe it."""
     model, x = _mlp()
     planner = Planner(model, x)
-    fast = planner.optimize(budget_gb=_midway(planner, 0.0))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     assert fast.plan.capture_method != "export" and fast.plan.segments
     with autocast():
         expected = train_step(copy.deepcopy(model), x)
@@ -151,7 +146,7 @@ def test_float32_plan_under_autocast_warns_once_and_trains_like_eager():
 def test_autocast_plan_without_autocast_warns(autocast_planner):
     model, x, planner = autocast_planner
     with autocast():
-        fast = planner.optimize(budget_gb=_midway(planner, 0.0))
+        fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     with pytest.warns(PrecisionWarning, match="planned with float32 parameters under cpu"):
         train_step(fast, x)
 
@@ -159,7 +154,7 @@ def test_autocast_plan_without_autocast_warns(autocast_planner):
 def test_float32_plan_after_casting_the_model_warns_and_trains_like_eager():
     model, x = _mlp()
     planner = Planner(model, x)
-    fast = planner.optimize(budget_gb=_midway(planner, 0.0))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     reference = copy.deepcopy(model).to(torch.bfloat16)
     fast.to(torch.bfloat16)
     expected = train_step(reference, x.bfloat16())
@@ -172,7 +167,7 @@ def test_float32_plan_after_casting_the_model_warns_and_trains_like_eager():
 def export_fast():
     model, x = _export_model()
     planner = Planner(model, x)
-    fast = planner.optimize(budget_gb=_midway(planner, 0.0))
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
     assert fast.plan.capture_method == "export"
     return model, x, fast
 
@@ -200,7 +195,7 @@ def test_export_plan_made_under_autocast_trains_under_autocast():
     model, x = _export_model()
     with autocast():
         planner = Planner(model, x)
-        fast = planner.optimize(budget_gb=_midway(planner, 0.0))
+        fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
         measured = autockpt.measure(fast, x, repeat=0, warmup=0)
         expected = train_step(copy.deepcopy(model), x)
         got = train_step(fast, x)

@@ -21,7 +21,7 @@ from torch import nn
 import autockpt
 import autockpt.rewrite as rewrite_module
 from autockpt.api import Planner
-from autockpt.errors import GIB, PlanMismatchError
+from autockpt.errors import PlanMismatchError
 from autockpt.rewrite import (
     SegmentSpec,
     UncoveredCallWarning,
@@ -31,14 +31,9 @@ from autockpt.rewrite import (
 )
 from autockpt.trace import Inputs, capture
 from autockpt.zoo import gpt
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, budget_gb_between, tiny_gpt2, train_step
 
 GPT_SIZE = {"layers": 2, "dim": 32, "batch": 4, "seq_len": 16}
-
-
-def _budget(planner: Planner, fraction: float = 0.3) -> float:
-    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-    return (low + fraction * (high - low)) / GIB
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +45,7 @@ def planned():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planner = Planner(model, inputs)
-        fast = planner.optimize(budget_gb=_budget(planner))
+        fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.3))
     assert fast.plan.capture_method == "fx" and fast.plan.segments
     return model, fast, inputs, before, planner
 
@@ -246,26 +241,6 @@ def test_apply_to_a_result_plans_the_users_model(planned):
 # Hugging Face
 
 
-def _tiny_gpt2() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    from autockpt.zoo_hf import quiet_transformers
-
-    with quiet_transformers():
-        config = transformers.GPT2Config(
-            vocab_size=128,
-            n_positions=32,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(config).train()
-
-
 HF_BATCH, HF_SEQ = 4, 16
 
 
@@ -277,12 +252,12 @@ def _hf_batch(seed: int = 1) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def hf():
     """A tiny GPT2LMHeadModel as found and optimized for ``(input_ids, labels)``."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     inputs = _hf_batch()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planner = Planner(model, inputs)
-        fast = planner.optimize(budget_gb=_budget(planner), verify=False)
+        fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.3), verify=False)
     assert fast.plan.segments and fast.plan.input_names == ("input_ids", "labels")
     return model, fast, inputs
 
@@ -451,7 +426,7 @@ def test_hf_trainer_runs_the_plan_when_planned_with_what_it_sends(tmp_path, chec
     """Trainer keeps the columns the forward's signature names and adds
     ``num_items_in_batch``; planned with that argument, its steps run the checkpoints and
     give the un-optimized model's losses and gradients."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     # what the Trainer passes: a float count of the labels that enter the loss
     batch = {**_hf_batch(), "num_items_in_batch": torch.tensor(float(HF_BATCH * (HF_SEQ - 1)))}
     inputs = Inputs.of(batch)
@@ -463,7 +438,7 @@ def test_hf_trainer_runs_the_plan_when_planned_with_what_it_sends(tmp_path, chec
         [SegmentSpec(n // 8, n // 2, True), SegmentSpec(n // 2, n - 8, True)],
         inputs,
     )
-    expected = _train(_tiny_gpt2(), tmp_path / "eager")
+    expected = _train(tiny_gpt2(), tmp_path / "eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _train(fast, tmp_path / "fast")

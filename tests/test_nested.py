@@ -16,7 +16,7 @@ import autockpt
 from autockpt import InfeasibleBudgetError, Plan, PlanMismatchError, TraceError
 from autockpt.api import Planner
 from autockpt.errors import GIB
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import TINY_SPEECH, assert_same_step, train_step
 
 VOCAB = 10
 
@@ -202,15 +202,7 @@ def test_ctc_models_are_planned_inside_their_body(name, body):
 
     with quiet_transformers():
         config = getattr(transformers, f"{name}Config")(
-            hidden_size=32,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            intermediate_size=64,
-            conv_dim=(16, 16),
-            conv_stride=(5, 2),
-            conv_kernel=(10, 3),
-            num_conv_pos_embeddings=16,
-            num_conv_pos_embedding_groups=2,
+            **TINY_SPEECH,
             vocab_size=12,
             layerdrop=0.0,
             mask_time_prob=0.0,

@@ -24,15 +24,12 @@ from autockpt.rewrite import segments_of
 from autockpt.zoo import ZOO
 from solvers.replay import MemoryTrace, OpCall, Window, replayer
 from solvers.selective import keep_greedily, keepable_nodes, plan_cost
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, quiet_planner, train_step
 
 
 def _planner(name: str) -> tuple:
     model, inputs = ZOO[name]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        planner = Planner(model, inputs)
-    return model, inputs, planner
+    return model, inputs, quiet_planner(model, inputs)
 
 
 @pytest.fixture(scope="module")

@@ -28,21 +28,10 @@ from autockpt.api import Planner
 from autockpt.errors import GIB, PlanMismatchError, TraceError
 from autockpt.rewrite import UncoveredCallWarning
 from autockpt.trace import Inputs, capture
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, budget_between, quiet_planner, train_step
 
 DIM = 32
 BATCH = 64
-
-
-def _quiet_planner(model: nn.Module, inputs) -> Planner:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return Planner(model, inputs)
-
-
-def _budget(planner: Planner, fraction: float) -> int:
-    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
-    return int(low + fraction * (high - low))
 
 
 def _segment_nodes(planner: Planner, fast: nn.Module) -> list[set[str]]:
@@ -144,7 +133,7 @@ def test_a_submodule_assigning_its_buffer_becomes_a_leaf():
 
 def test_a_submodule_counter_advances_like_eager_inside_a_segment():
     model, x = _made(CounterNet), _x()
-    planner = _quiet_planner(model, x)
+    planner = quiet_planner(model, x)
     assert "count.steps" in planner.profile.mutated_buffers
     fast = planner.optimize(budget_gb=planner.minimum_peak_bytes / GIB)
     covering = [
@@ -164,10 +153,10 @@ def test_the_roots_own_assignment_is_kept_by_export():
     assert cap.method == "export"
     assert any("buffer 'steps' assigned" in note for note in cap.warnings), cap.warnings
     assert any("in-place update" in note for note in cap.warnings), cap.warnings
-    planner = _quiet_planner(model, x)
+    planner = quiet_planner(model, x)
     assert "steps" in planner.profile.mutated_buffers
     for fraction in (0.0, 0.5):
-        fast = planner.optimize(budget_gb=_budget(planner, fraction) / GIB)
+        fast = planner.optimize(budget_gb=budget_between(planner, fraction) / GIB)
         if fraction == 0.0:  # the leanest plan recomputes the read of the counter
             readers = {
                 user.name
@@ -245,7 +234,7 @@ def test_putting_back_the_same_buffer_is_no_assignment_for_export():
     cap = capture(model, Inputs.of(x))
     assert cap.method == "export"  # fx saw a proxy assigned, export saw no change
     assert not any("in-place update" in note for note in cap.warnings), cap.warnings
-    fast = _quiet_planner(model, x).optimize(budget_gb=1.0)
+    fast = quiet_planner(model, x).optimize(budget_gb=1.0)
     _trains_like_eager(model, fast, x, steps=1)
 
 
@@ -295,8 +284,8 @@ def _tokens(batch: int, seq: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def planned_branch():
     model, x = _made(RootShapeBranch), _x()
-    planner = _quiet_planner(model, x)
-    return model, x, planner, planner.optimize(budget_gb=_budget(planner, 0.3) / GIB)
+    planner = quiet_planner(model, x)
+    return model, x, planner, planner.optimize(budget_gb=budget_between(planner, 0.3) / GIB)
 
 
 def test_export_keeps_the_batch_dimension_dynamic(planned_branch):
@@ -348,12 +337,12 @@ def test_a_size_the_graph_is_specialised_against_is_refused(planned_branch):
 def test_a_shorter_token_sequence_and_batch_run_like_eager_within_the_budget():
     torch.manual_seed(0)
     model, inputs = TokenShapeBranch().train(), _tokens(8, 32)
-    planner = _quiet_planner(model, inputs)
+    planner = quiet_planner(model, inputs)
     assert planner.capture.method == "export"
     assert {"input_ids[0]", "input_ids[1]", "labels[0]", "labels[1]"} <= set(
         planner.capture.dynamic_dims
     )
-    fast = planner.optimize(budget_gb=_budget(planner, 0.3) / GIB)
+    fast = planner.optimize(budget_gb=budget_between(planner, 0.3) / GIB)
     assert fast.plan.segments
     smaller = _tokens(7, 20)
     _trains_like_eager(model, fast, smaller, steps=1)
@@ -425,12 +414,12 @@ def test_inputs_through_kwargs_keep_export_sizes_dynamic():
     smaller batch and a shorter sequence run the graph like eager within the budget."""
     torch.manual_seed(0)
     model, inputs = KwargsTokens().train(), _kwargs_tokens(8, 32)
-    planner = _quiet_planner(model, inputs)
+    planner = quiet_planner(model, inputs)
     assert planner.capture.method == "export"
     dims = {"input_ids[0]", "input_ids[1]", "labels[0]", "labels[1]", "weights[0]"}
     assert set(planner.capture.dynamic_dims) == dims
     assert "forward" not in vars(model)
-    fast = planner.optimize(budget_gb=_budget(planner, 0.3) / GIB)
+    fast = planner.optimize(budget_gb=budget_between(planner, 0.3) / GIB)
     assert fast.plan.segments
     smaller = _kwargs_tokens(5, 20)
     with warnings.catch_warnings():
@@ -455,8 +444,8 @@ def test_export_without_dynamic_sizes_falls_back_to_the_planned_shapes(monkeypat
     assert cap.method == "export"
     assert cap.dynamic_dims == () and not cap.shape_generic
     assert any("could not keep batch and sequence sizes dynamic" in n for n in cap.warnings)
-    planner = _quiet_planner(model, x)
-    fast = planner.optimize(budget_gb=_budget(planner, 0.3) / GIB)
+    planner = quiet_planner(model, x)
+    fast = planner.optimize(budget_gb=budget_between(planner, 0.3) / GIB)
     _trains_like_eager(model, fast, x, steps=1)
     with pytest.raises(PlanMismatchError, match="drop_last"):
         fast(x[: BATCH - 1].clone())
@@ -482,10 +471,10 @@ def test_hugging_face_gpt2_takes_a_smaller_batch_and_sequence():
     from autockpt.zoo_hf import gpt2
 
     model, inputs = gpt2(batch=4, seq_len=32)
-    planner = _quiet_planner(model, inputs)
+    planner = quiet_planner(model, inputs)
     assert planner.capture.method == "export"
     assert {"input_ids[0]", "input_ids[1]"} <= set(planner.capture.dynamic_dims)
-    fast = planner.optimize(budget_gb=_budget(planner, 0.3) / GIB)
+    fast = planner.optimize(budget_gb=budget_between(planner, 0.3) / GIB)
     assert fast.plan.segments
     for batch, seq in ((3, 20), (2, 7)):
         smaller = {name: value[:batch, :seq].contiguous() for name, value in inputs.items()}
