@@ -132,11 +132,9 @@ class StorageTracker(TorchDispatchMode):
         self.events: list[tuple[int, int]] = []
         self.window = 0
         self.backward_window_of: Any = None  # sequence number -> window index
-        self.op_log: dict[Any, list[tuple[str, int]]] | None = None
-        """When a dict: per window, ``(operator, bytes of the new storages it returned)``."""
         self.op_calls: dict[int, list[OpCall]] | None = None
         """When a dict: per window, every operator call that returned a tensor, with the
-        allocations it made and wrote to (what selective recompute may keep:
+        allocations it made and wrote to (:meth:`op_log`; what selective recompute may keep:
         :mod:`solvers.selective`)."""
 
     def key(self, t: torch.Tensor) -> int | None:
@@ -150,7 +148,6 @@ class StorageTracker(TorchDispatchMode):
                 if w is not None:
                     self.window = w
         out = func(*args, **(kwargs or {}))
-        returned = 0
         made: list[int] = []
         outputs = tensors_in(out)
         for t in outputs:
@@ -158,15 +155,12 @@ class StorageTracker(TorchDispatchMode):
             sid = id(storage)
             if sid in self.ids or sid in self.static_ids or storage.nbytes() == 0:
                 continue
-            returned += storage.nbytes()
             a = len(self.sizes)
             self.ids[sid] = a
             self.sizes.append(storage.nbytes())
             self.events.append((a, self.window))
             made.append(a)
             weakref.finalize(storage, self._free, sid, a)
-        if self.op_log is not None and outputs:
-            self.op_log.setdefault(self.window, []).append((str(func), returned))
         if self.op_calls is not None and outputs:
             self.op_calls.setdefault(self.window, []).append(
                 OpCall(
@@ -193,6 +187,14 @@ class StorageTracker(TorchDispatchMode):
                 if a is not None:
                     written.append(a)
         return tuple(sorted(set(written)))
+
+    def op_log(self) -> dict[int, list[tuple[str, int]]]:
+        """Per window, ``(operator, bytes of the new storages it returned)`` of each call
+        recorded in :attr:`op_calls`."""
+        return {
+            window: [(call.name, sum(self.sizes[a] for a in call.allocations)) for call in calls]
+            for window, calls in (self.op_calls or {}).items()
+        }
 
     def _free(self, sid: int, a: int) -> None:
         if self.ids.get(sid) == a:

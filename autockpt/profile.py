@@ -649,7 +649,7 @@ def _probe(
     device = device_of(model, inputs)
     n = len(index_of)
     tracker = StorageTracker()
-    tracker.op_log = {}
+    tracker.op_calls = {}
     prober = _Prober(model, capture, index_of, structure, timed=False, tracker=tracker)
     with profiler_session() as session:
         output = run_graph(capture, model, inputs, prober)
@@ -657,7 +657,7 @@ def _probe(
         del output
     events = allocator_events(session, device.type)
     tracked = tracker.deltas_by_window()
-    ops = tracker.op_log
+    ops = tracker.op_log()
     workspace: dict[str, int] = {}
     hidden: dict[str, int] = {}
     for mark in marks(session, _PROBE_MARK):

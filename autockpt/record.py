@@ -447,7 +447,6 @@ def _record(
     statics = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
     tracker = _CastTracker({id(s) for s in static_storages}, cached_cast_dtypes())
-    tracker.op_log = {}
     tracker.op_calls = {}
     n = len(index_of)
     windows: list[Window] = []
@@ -551,7 +550,7 @@ def _record(
                 tuple(tracker.op_calls.get(forward_window.get(i, -1), ())) for i in range(n)
             ),
         ),
-        tracker.op_log,
+        tracker.op_log(),
         tracker.held(),
         conversion_windows,
     )
