@@ -6,10 +6,9 @@
     again = autockpt.apply(model, autockpt.Plan.load("plan.json"))
 """
 
-__version__ = "0.1.0"
-
-from autockpt.api import apply, optimize  # noqa: E402
-from autockpt.errors import (  # noqa: E402
+from autockpt._version import __version__
+from autockpt.api import apply, optimize
+from autockpt.errors import (
     AutockptError,
     BudgetError,
     BudgetTypeError,
@@ -22,8 +21,8 @@ from autockpt.errors import (  # noqa: E402
     TraceError,
     UncoveredCallWarning,
 )
-from autockpt.measure import Measurement, measure  # noqa: E402
-from autockpt.plan import MemoryBreakdown, Plan, Segment  # noqa: E402
+from autockpt.measure import Measurement, measure
+from autockpt.plan import MemoryBreakdown, Plan, Segment
 
 __all__ = [
     "AutockptError",

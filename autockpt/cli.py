@@ -424,9 +424,9 @@ def load_spec(spec: str) -> tuple[Any, Any]:
 
 def _demo(args: argparse.Namespace) -> int:
     from autockpt.api import Planner
+    from autockpt.demo import block_stack
     from autockpt.errors import GIB, format_bytes
     from autockpt.measure import measure
-    from autockpt.zoo import block_stack
 
     model, x = block_stack(blocks=args.blocks, width=args.width, batch=args.batch)
     say = _say(args)
@@ -578,8 +578,8 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
 
     import autockpt
-    from autockpt.runtime import default_loss, preserved_training_state
-    from autockpt.trace import Inputs
+    from autockpt.base.inputs import Inputs
+    from autockpt.base.runtime import default_loss, preserved_training_state
 
     plan = _load_plan(args.plan)
     model, example = load_spec(args.spec)
@@ -607,9 +607,7 @@ def _verify(args: argparse.Namespace) -> int:
             )
         progress.stage("measuring peak memory and step time")
         measured = autockpt.measure(fast, example)
-    used = measured.peak_bytes  # what the budget covers, as the planner counts it
-    if plan.scope == "activations":
-        used = measured.activation_peak_bytes - plan.memory.gradients
+    used = plan.budgeted_bytes(measured.peak_bytes)  # what the budget covers
     if plan.sharding is None:
         checks["peak within budget"] = used <= plan.budget_bytes
     elif not args.json and not args.quiet:

@@ -44,7 +44,7 @@ class TraceError(AutockptError):
     ``location`` the ``file:line`` of the offending source line. ``in_root_code`` is true when
     fx failed in the root module's own code and ``torch.export`` failed too: no capture path
     reaches inside the root's forward, so planning may fall back to one of its submodules
-    (autockpt/nested.py).
+    (autockpt/planning/nested.py).
     """
 
     def __init__(self, module: str, location: str, source_line: str, reason: str,

@@ -13,7 +13,7 @@ parameter gradients, saved and recomputed activations, transient workspaces.
 
 Step time is the median of ``repeat`` un-instrumented steps (``repeat=0``: memory only, step
 time 0). The model, the inputs and the global random generators are left as found
-(:func:`autockpt.runtime.as_found`).
+(:func:`autockpt.base.runtime.as_found`).
 """
 
 from __future__ import annotations
@@ -28,21 +28,11 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from autockpt.allocations import (  # noqa: E402
-    allocator_events,
-    peak_above_start,
-    profiler_session,
-)
-from autockpt.precision import fresh_autocast_cache  # noqa: E402
-from autockpt.runtime import (  # noqa: E402
-    LossFn,
-    as_found,
-    clear_grads,
-    default_loss,
-    device_of,
-    now,
-)
-from autockpt.trace import Inputs  # noqa: E402
+from autockpt.base import allocations  # noqa: E402
+from autockpt.base.allocations import allocator_events, peak_above_start, profiler_session  # noqa: E402
+from autockpt.base.inputs import Inputs  # noqa: E402
+from autockpt.base.precision import fresh_autocast_cache  # noqa: E402
+from autockpt.base.runtime import LossFn, as_found, clear_grads, default_loss, device_of, now  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -57,7 +47,8 @@ class Measurement:
 
     @property
     def activation_peak_bytes(self) -> int:
-        """What lies above the static part (scope="activations")."""
+        """What lies above parameters, buffers and inputs: parameter gradients included.
+        What a plan's budget counts of a measured peak is ``plan.budgeted_bytes(peak)``."""
         return self.peak_bytes - self.static_bytes
 
     @property
@@ -103,23 +94,14 @@ def measure(
 
 
 def static_bytes(model: nn.Module, inputs: Inputs) -> int:
-    """Bytes of the distinct storages of parameters, buffers and input tensors."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    tensors = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
-    for t in tensors:
-        if t.device.type == "meta":
-            continue
-        key = (str(t.device), t.untyped_storage().data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+    """Bytes of the distinct storages of parameters, buffers and input tensors that a real
+    step holds (``autockpt.base.allocations.static_bytes``; meta tensors hold none)."""
+    return allocations.static_bytes(model, inputs, skip_meta=True)
 
 
 def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn) -> None:
     # Under autocast, each step as in a fresh context: its weight casts are made in it and
-    # freed after it (autockpt/precision.py), not left cached from the step before.
+    # freed after it (autockpt/base/precision.py), not left cached from the step before.
     with fresh_autocast_cache():
         loss = loss_fn(model(*inputs.args, **inputs.kwargs))
         loss.backward()

@@ -22,9 +22,24 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from autockpt._version import __version__
 from autockpt.errors import GIB, PlanFormatError, PlanMismatchError, format_bytes
 
 SCHEMA_VERSION = 1
+
+SCOPES = ("total", "activations")
+"""What a budget counts (README, "Budget semantics"): ``total``, every byte of the step;
+``activations``, what lies above the part every plan holds (:func:`scoped_bytes`)."""
+
+
+def scoped_bytes(total_bytes: int, scope: str, static_bytes: int) -> int:
+    """The part of a step's total bytes that a budget of ``scope`` counts: all of it for
+    "total"; for "activations", what lies above ``static_bytes`` (parameters, buffers,
+    inputs and parameter gradients: what every plan holds). The one scope rule: the
+    planner's predictions, its verification and the reports of a plan all count with it."""
+    if scope == "total":
+        return total_bytes
+    return total_bytes - static_bytes
 
 
 @dataclass(frozen=True)
@@ -148,6 +163,9 @@ class Plan:
     recompute_fraction: float
     memory: MemoryBreakdown
     calibration_bytes: int = 0
+    """Legacy (schema 1): bytes a calibration step once added to the static part. No step
+    calibrates any more (the probe measures workspaces node by node), so new plans write 0;
+    plans written before still load, and ``autockpt show`` prints their value."""
     measured_peak_bytes: int | None = None
     measured_step_seconds: float | None = None
     times_estimated: bool = False
@@ -160,7 +178,7 @@ class Plan:
     timeline: MemoryTimeline | None = None
     submodule: str | None = None
     """Qualified name of the submodule the graph fields describe, when the root's own forward
-    could not be captured and runs eagerly around it (autockpt/nested.py); None: the root."""
+    could not be captured and runs eagerly around it (autockpt/planning/nested.py); None: the root."""
     autockpt_version: str = field(default_factory=lambda: _library_version())
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION
@@ -227,6 +245,14 @@ class Plan:
     def predicted_peak_gb(self) -> float:
         return self.predicted_peak_bytes / GIB
 
+    def budgeted_bytes(self, measured_total: int) -> int:
+        """The part of a measured step's total peak that this plan's budget covers
+        (:func:`scoped_bytes`; the static part is the plan's memory breakdown)."""
+        m = self.memory
+        return scoped_bytes(
+            measured_total, self.scope, m.parameters + m.buffers + m.inputs + m.gradients
+        )
+
     def summary(self) -> str:
         """A few human lines: budget, prediction, segments."""
         lines = [
@@ -260,7 +286,7 @@ class Plan:
 
 def _check_semantics(plan: Plan) -> None:
     """What types alone cannot say: valid enumerations, segments inside the stage list."""
-    if plan.scope not in ("total", "activations"):
+    if plan.scope not in SCOPES:
         raise ValueError(f"scope must be 'total' or 'activations', got {plan.scope!r}")
     if plan.capture_method not in ("fx", "fx+leaves", "export"):
         raise ValueError(f"capture_method {plan.capture_method!r} is not fx, fx+leaves or export")
@@ -387,8 +413,6 @@ def _list(name: str, value: Any) -> list[Any]:
 
 
 def _library_version() -> str:
-    from autockpt import __version__
-
     return __version__
 
 

@@ -1,8 +1,8 @@
 """Reports for people: plan tables, the memory timeline of one step, and the frontier of
 recompute overhead against peak memory across budgets.
 
-Reporting stays outside the pipeline: no stage of ``trace -> ... -> measure`` imports this
-module, tables need only ``rich`` (a dependency already) and matplotlib is imported inside
+Reporting stays outside the pipeline: no stage (``autockpt/capture`` ... ``autockpt/planning``)
+imports this module, tables need only ``rich`` (a dependency already) and matplotlib is imported inside
 the functions that draw, so everything else works where matplotlib is not installed.
 Figures are built on a bare :class:`matplotlib.figure.Figure` (no ``pyplot`` global state),
 returned to the caller so that tests can inspect axes, labels and legend before saving.
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autockpt.errors import AutockptError, InfeasibleBudgetError, format_bytes
+from autockpt.measure import measure
 from autockpt.plan import Plan
+from solvers.sqrt import sqrt_plan
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -144,8 +146,7 @@ def _scoped(plan: Plan, measured_total: int) -> str:
     parameters, buffers, inputs and gradients, so that part is shown (with the total)."""
     if plan.scope != "activations":
         return format_bytes(measured_total)
-    m = plan.memory
-    above = measured_total - m.parameters - m.buffers - m.inputs - m.gradients
+    above = plan.budgeted_bytes(measured_total)
     return f"{format_bytes(above)} ({format_bytes(measured_total)} in all)"
 
 
@@ -415,49 +416,26 @@ def _pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
 
 
 def _sqrt_segments(planner: Planner) -> list[tuple[int, int]]:
-    from solvers.sqrt import sqrt_plan
-
     return sqrt_plan(planner.chain.problem)
 
 
 def _measure(planner: Planner, module: Any) -> Any:
-    from autockpt.measure import measure
-
     return measure(module, planner.inputs, loss_fn=planner.loss_fn, repeat=5)
 
 
 def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[int, int], ...]]:
     """Checkpoint each of the model's repeated blocks (the hand-written baseline most code
     uses, "checkpoint every layer"), as stage ranges of the planner's chain, with the names
-    of the containers holding them (:attr:`autockpt.blocks.RepeatedBlocks.label`).
+    of the containers holding them (:attr:`autockpt.costs.blocks.RepeatedBlocks.label`).
 
-    The blocks are :func:`autockpt.blocks.find_repeated_blocks`' (the same ones FSDP units
-    and the chain's required cuts come from): every block of the model's block class, in
-    every container that holds them (T5's encoder and decoder blocks alike). When the chain
-    has a cut at every block boundary (it does when built with ``required_cuts`` from
-    :func:`autockpt.blocks.block_cut_positions`), each block is exactly one segment.
-    Otherwise each block becomes the stages lying wholly inside it, and a block too small to
-    hold a whole stage is skipped. Returns ``(None, ())`` for a model without repeated
-    blocks.
+    The planner's own per-block plan (:func:`autockpt.costs.blocks.per_block_plan`, the one
+    derivation: the same blocks seed its search, cut its chain and make the FSDP units).
+    Returns ``(None, ())`` for a model without repeated blocks.
     """
-    from autockpt.blocks import block_node_ranges, find_repeated_blocks
-
-    blocks = find_repeated_blocks(planner.model)
-    if blocks is None:
+    per = planner.prepared.per_block
+    if per is None:
         return None, ()
-    chain = planner.chain
-    ranges = block_node_ranges(planner.capture, blocks)
-    exact = chain.stage_ranges_for(ranges)
-    if exact is not None:
-        return blocks.label, tuple((r.start, r.end) for r in exact)
-    segments: list[tuple[int, int]] = []
-    for first, stop in ranges:
-        inside = [
-            k for k, stage in enumerate(chain.stages) if stage.first >= first and stage.stop <= stop
-        ]
-        if inside and (not segments or inside[0] >= segments[-1][1]):
-            segments.append((inside[0], inside[-1] + 1))
-    return blocks.label, tuple(segments)
+    return per.label, tuple((start, end) for start, end in per.segments)
 
 
 def frontier_figure(result: Frontier) -> Figure:

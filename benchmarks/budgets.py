@@ -27,11 +27,11 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 
 from autockpt.api import Planner  # noqa: E402
+from autockpt.base.runtime import default_loss  # noqa: E402
+from autockpt.capture import Inputs  # noqa: E402
 from autockpt.errors import GIB, InfeasibleBudgetError  # noqa: E402
 from autockpt.measure import measure  # noqa: E402
-from autockpt.runtime import default_loss  # noqa: E402
-from autockpt.trace import Inputs  # noqa: E402
-from autockpt.zoo import ZOO  # noqa: E402
+from autockpt_zoo.toy import ZOO  # noqa: E402
 
 QUICK_MODELS = ("block_stack_wide", "gpt", "resnet", "unet")
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -39,7 +39,7 @@ QUICK_FRACTIONS = (0.0, 0.5, 1.0)
 
 
 def _factories() -> dict:
-    from autockpt.zoo import block_stack
+    from autockpt_zoo.toy import block_stack
 
     factories = dict(ZOO)
     factories.pop("gpt_checkpointed", None)  # already checkpointed by hand: not a baseline

@@ -39,12 +39,12 @@ from torch import Tensor, nn  # noqa: E402
 
 import autockpt  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
+from autockpt.base.runtime import default_loss  # noqa: E402
+from autockpt.capture import Inputs  # noqa: E402
 from autockpt.distributed import measure_rank, wrap  # noqa: E402
 from autockpt.errors import GIB, format_bytes  # noqa: E402
 from autockpt.plan import Plan  # noqa: E402
-from autockpt.runtime import default_loss  # noqa: E402
-from autockpt.trace import Inputs  # noqa: E402
-from autockpt.zoo import gpt  # noqa: E402
+from autockpt_zoo.toy import gpt  # noqa: E402
 
 STEP_SEED = 1234
 

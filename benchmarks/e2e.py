@@ -59,10 +59,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from autockpt.api import Planner  # noqa: E402
+from autockpt.base.runtime import default_loss  # noqa: E402
+from autockpt.capture import Inputs  # noqa: E402
 from autockpt.errors import GIB, InfeasibleBudgetError  # noqa: E402
 from autockpt.measure import measure  # noqa: E402
-from autockpt.runtime import default_loss  # noqa: E402
-from autockpt.trace import Inputs  # noqa: E402
 from benchmarks.e2e_models import Case, cases, op_policy, per_block, sequential  # noqa: E402
 
 FIXED = (

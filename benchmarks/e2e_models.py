@@ -42,7 +42,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from autockpt.zoo import block_stack, gpt, mlp_mixer, resnet, unet
+from autockpt_zoo.toy import block_stack, gpt, mlp_mixer, resnet, unet
 
 # ---------------------------------------------------------------------------------------------
 # Llama-style decoder

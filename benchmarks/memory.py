@@ -42,10 +42,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from autockpt.api import Planner  # noqa: E402
+from autockpt.capture import Inputs  # noqa: E402
 from autockpt.errors import GIB, InfeasibleBudgetError  # noqa: E402
 from autockpt.measure import measure  # noqa: E402
-from autockpt.trace import Inputs  # noqa: E402
-from autockpt.zoo import ZOO  # noqa: E402
+from autockpt_zoo.toy import ZOO  # noqa: E402
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 TOLERANCE = 0.05
@@ -273,7 +273,7 @@ def summary(rows: list[dict]) -> str:
 
 def large_meta_plan(layers: int, dim: int, seq: int, batch: int, budget_gb: float | None) -> dict:
     """Plan a GPT-style decoder with ~30 GiB of parameters on the meta device."""
-    from autockpt.zoo import gpt
+    from autockpt_zoo.toy import gpt
 
     started = time.perf_counter()
     with torch.device("meta"):  # parameters get shapes, never memory

@@ -36,11 +36,11 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 
 from autockpt.api import Planner  # noqa: E402
+from autockpt.base.runtime import default_loss, tensors_in  # noqa: E402
+from autockpt.capture import Inputs  # noqa: E402
 from autockpt.errors import GIB  # noqa: E402
 from autockpt.measure import measure  # noqa: E402
-from autockpt.runtime import default_loss, tensors_in  # noqa: E402
-from autockpt.trace import Inputs  # noqa: E402
-from autockpt.zoo import ZOO  # noqa: E402
+from autockpt_zoo.toy import ZOO  # noqa: E402
 from benchmarks.budgets import _step_seconds  # noqa: E402
 
 FRACTIONS = (0.1, 0.5, 0.9)
@@ -50,7 +50,7 @@ BEGIN, END = "<!-- models:begin -->", "<!-- models:end -->"
 
 def factories() -> dict[str, tuple[str, Any]]:
     """``name -> (group, factory)`` for every model the benchmark runs."""
-    from autockpt.zoo_hf import HF_HELD_OUT, HF_ZOO
+    from autockpt_zoo.hf import HF_HELD_OUT, HF_ZOO
 
     table: dict[str, tuple[str, Any]] = {}
     table.update({name: ("hf", f) for name, f in HF_ZOO.items()})
@@ -170,9 +170,9 @@ def markdown(rows: list[dict[str, Any]], machine: str) -> str:
         "|---|---:|---:|:-:|---:|---:|---:|---:|:-:|:-:|\n"
     )
     titles = {
-        "hf": "Hugging Face zoo (`autockpt.zoo_hf.HF_ZOO`)",
-        "classic": "Torch-only classics (`autockpt.zoo.ZOO`)",
-        "held-out": "Held-out Hugging Face architectures (`autockpt.zoo_hf.HF_HELD_OUT`)",
+        "hf": "Hugging Face zoo (`autockpt_zoo.hf.HF_ZOO`)",
+        "classic": "Torch-only classics (`autockpt_zoo.toy.ZOO`)",
+        "held-out": "Held-out Hugging Face architectures (`autockpt_zoo.hf.HF_HELD_OUT`)",
     }
     parts = [f"Produced by `python -m benchmarks.models --docs docs/models.md` on {machine}.\n"]
     for group, title in titles.items():

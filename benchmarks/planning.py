@@ -174,7 +174,7 @@ QUICK_ZOO = ("block_stack", "gpt")
 def cases(quick: bool) -> list[Case]:
     """The zoo at its own sizes (less the model checkpointed by hand), GPT-2 small from Hugging
     Face and the activation-dominated stack; ``quick``: two small zoo models."""
-    from autockpt.zoo import ZOO
+    from autockpt_zoo.toy import ZOO
 
     names = QUICK_ZOO if quick else sorted(n for n in ZOO if n != "gpt_checkpointed")
     zoo = [Case(n, f"autockpt.zoo:{n}", {}) for n in names]
@@ -365,8 +365,8 @@ def _plan(model: nn.Module, example: Any) -> tuple[Any, nn.Module, int]:
 
 
 def _eager_step(model: nn.Module, example: Any) -> None:
-    from autockpt.runtime import clear_grads, default_loss
-    from autockpt.trace import Inputs
+    from autockpt.base.runtime import clear_grads, default_loss
+    from autockpt.capture import Inputs
 
     inputs = Inputs.of(example)
     default_loss(model(*inputs.args, **inputs.kwargs)).backward()
@@ -374,8 +374,8 @@ def _eager_step(model: nn.Module, example: Any) -> None:
 
 
 def _seeded_step(model: nn.Module, example: Any) -> tuple[Tensor, dict[str, Tensor]]:
-    from autockpt.runtime import clear_grads, default_loss
-    from autockpt.trace import Inputs
+    from autockpt.base.runtime import clear_grads, default_loss
+    from autockpt.capture import Inputs
 
     inputs = Inputs.of(example)
     clear_grads(model)
@@ -433,8 +433,8 @@ def _child(request_text: str) -> None:
     request = json.loads(request_text)
     torch.set_num_threads(int(request["threads"]))
     action = request["action"]
+    from autockpt.capture import Inputs
     from autockpt.measure import measure, static_bytes
-    from autockpt.trace import Inputs
 
     # One-time costs outside the window: imports, profiler and thread-pool set-up.
     tiny, tiny_example = _build(request, request["warmup"])

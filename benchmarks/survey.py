@@ -65,7 +65,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from autockpt.zoo import BasicBlock  # noqa: E402
+from autockpt_zoo.toy import BasicBlock  # noqa: E402
 from benchmarks.planning import gradient_bytes  # noqa: E402
 
 MIB = 2**20
@@ -168,7 +168,7 @@ def densenet(
 
 class ResNet18(nn.Module):
     """torchvision's ResNet-18 layout without torchvision: 7x7 stem, max pooling, eight
-    :class:`autockpt.zoo.BasicBlock` s (64, 64, 128, 128, 256, 256, 512, 512 channels) in one
+    :class:`autockpt_zoo.toy.BasicBlock` s (64, 64, 128, 128, 256, 256, 512, 512 channels) in one
     ``blocks`` container, pooled linear head."""
 
     def __init__(self, classes: int, width: int = 64) -> None:
@@ -213,7 +213,7 @@ def _hf(
     mode, with ``pixel_values`` and ``labels`` (its output carries the loss)."""
     import transformers
 
-    from autockpt.zoo_hf import quiet_transformers
+    from autockpt_zoo.hf import quiet_transformers
 
     with quiet_transformers():
         cfg = getattr(transformers, config)(num_labels=10, **settings)
@@ -349,8 +349,8 @@ def hf_t5(
     *, batch: int = 4, seq_len: int = 256, seed: int = 0
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """T5ForConditionalGeneration with ``labels`` (decoder inputs shifted from them inside the
-    model): 4 + 4 layers, width 256, 4 heads, vocabulary 256 (autockpt.zoo_hf.t5)."""
-    from autockpt.zoo_hf import t5
+    model): 4 + 4 layers, width 256, 4 heads, vocabulary 256 (autockpt_zoo.hf.t5)."""
+    from autockpt_zoo.hf import t5
 
     return t5(layers=4, hidden=256, heads=4, batch=batch, seq_len=seq_len, seed=seed)
 
@@ -428,11 +428,11 @@ def _arch(
     quick: dict[str, Any] | None = None,
     **settings: Any,
 ) -> Model:
-    """A row of the table: ``autockpt.zoo_hf.from_config`` with these class names, inputs,
+    """A row of the table: ``autockpt_zoo.hf.from_config`` with these class names, inputs,
     sizes and config settings."""
 
     def factory(**overrides: Any) -> tuple[nn.Module, dict[str, Tensor]]:
-        from autockpt.zoo_hf import from_config
+        from autockpt_zoo.hf import from_config
 
         return from_config(config, model, inputs, **{**sizes, **overrides}, **settings)
 
@@ -443,12 +443,12 @@ def _arch(
 def _zoo(
     name: str, family: str, builder: str, quick: dict[str, Any] | None = None, **sizes: Any
 ) -> Model:
-    """A builder of :mod:`autockpt.zoo_hf` at the survey's size."""
+    """A builder of :mod:`autockpt_zoo.hf` at the survey's size."""
 
     def factory(**overrides: Any) -> tuple[nn.Module, dict[str, Tensor]]:
-        import autockpt.zoo_hf
+        import autockpt_zoo.hf
 
-        return getattr(autockpt.zoo_hf, builder)(**{**sizes, **overrides})
+        return getattr(autockpt_zoo.hf, builder)(**{**sizes, **overrides})
 
     factory.__name__ = name
     return Model(name, family, factory, quick)
@@ -1177,9 +1177,9 @@ class _Step:
 
 def train_step(model: nn.Module, inputs: Any, seed: int = SEED) -> _Step:
     """One forward + backward from the same seed of every global generator."""
-    from autockpt.rng import RngStates
-    from autockpt.runtime import clear_grads, default_loss, tensors_in
-    from autockpt.trace import Inputs
+    from autockpt.base.rng import RngStates
+    from autockpt.base.runtime import clear_grads, default_loss, tensors_in
+    from autockpt.capture import Inputs
 
     given = Inputs.of(inputs)
     clear_grads(model)
@@ -1274,7 +1274,7 @@ def survey_one(
         "sizes": overrides or {},
         "status": "ok",
     }
-    from autockpt.rng import rng_as_found
+    from autockpt.base.rng import rng_as_found
 
     stage = _Stage()
     try:
@@ -1299,9 +1299,9 @@ def _survey(
     stage: _Stage,
 ) -> None:
     from autockpt.api import Planner
+    from autockpt.base.rng import RngStates
     from autockpt.errors import GIB
     from autockpt.measure import measure
-    from autockpt.rng import RngStates
 
     with warnings.catch_warnings(), _quiet():
         warnings.simplefilter("ignore")
@@ -1318,7 +1318,7 @@ def _survey(
         low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
         budget = (low + high) // 2
         # A root that cannot be captured may be planned inside its largest capturing
-        # submodule (autockpt/nested.py): the graph facts are that submodule's.
+        # submodule (autockpt/planning/nested.py): the graph facts are that submodule's.
         nested = planner.__dict__.get("nested")
         inner = planner if nested is None else nested.inner
         row.update(
@@ -1406,7 +1406,7 @@ def _quiet() -> Any:
     import contextlib
 
     try:
-        from autockpt.zoo_hf import quiet_transformers
+        from autockpt_zoo.hf import quiet_transformers
     except ImportError:
         return contextlib.nullcontext()
     return quiet_transformers()

@@ -26,7 +26,7 @@ def profile_zoo() -> dict[str, ChainProblem]:
     """Profile every zoo model (needs torch) and return its chain problem."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from autockpt.api import Planner
-    from autockpt.zoo import ZOO
+    from autockpt_zoo.toy import ZOO
 
     problems = {}
     for name in sorted(ZOO):

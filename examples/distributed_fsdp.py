@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 
 import autockpt
 from autockpt.api import Planner
-from autockpt.zoo import gpt
+from autockpt_zoo.toy import gpt
 
 WORLD_SIZE = 2
 

@@ -18,9 +18,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from autockpt.api import Planner  # noqa: E402
+from autockpt.base.runtime import default_loss, tensors_in  # noqa: E402
+from autockpt.capture import Inputs  # noqa: E402
 from autockpt.errors import GIB  # noqa: E402
-from autockpt.runtime import default_loss, tensors_in  # noqa: E402
-from autockpt.trace import Inputs  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -88,7 +88,7 @@ def budget_gb_between(planner: Planner, fraction: float) -> float:
 def tiny_gpt2() -> nn.Module:
     """A 2-layer Hugging Face GPT-2 LM head model from a config (seeded, training mode)."""
     transformers = pytest.importorskip("transformers")
-    from autockpt.zoo_hf import quiet_transformers
+    from autockpt_zoo.hf import quiet_transformers
 
     with quiet_transformers():
         config = transformers.GPT2Config(

@@ -13,7 +13,7 @@ import autockpt
 from autockpt.api import Planner
 from autockpt.errors import GIB
 from autockpt.rewrite import segments_of
-from autockpt.zoo import ZOO
+from autockpt_zoo.toy import ZOO
 from solvers.search import recompute_seconds
 from tests.conftest import assert_same_step, train_step
 

@@ -241,7 +241,7 @@ def test_measure_leaves_a_lazily_rebuilt_buffer_as_found():
 
 
 def test_capture_leaves_no_trace_of_tracing_in_the_model():
-    from autockpt.trace import Inputs, capture
+    from autockpt.capture import Inputs, capture
 
     model = _made(TableNet)
     snap = _Snapshot(model)
@@ -327,8 +327,8 @@ def test_an_input_that_requires_grad_is_left_as_found():
 
 
 def test_a_fake_step_never_touches_the_real_inputs():
-    from autockpt.runtime import fake_step
-    from autockpt.trace import Inputs
+    from autockpt.base.runtime import fake_step
+    from autockpt.capture import Inputs
 
     x = _example()
     keep, version = x.clone(), x._version
@@ -475,7 +475,7 @@ class _Rearranges(nn.Module):
 
 
 def test_as_found_puts_back_objects_values_and_generators():
-    from autockpt.runtime import as_found
+    from autockpt.base.runtime import as_found
 
     model = _Rearranges()
     x = _example()
@@ -495,7 +495,7 @@ def test_as_found_puts_back_objects_values_and_generators():
 
 
 def test_as_found_restores_on_error():
-    from autockpt.runtime import as_found
+    from autockpt.base.runtime import as_found
 
     model = _Rearranges()
     snap = _Snapshot(model)

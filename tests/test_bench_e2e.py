@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autockpt.api import Planner
 from autockpt.errors import GIB
-from autockpt.zoo import block_stack
+from autockpt_zoo.toy import block_stack
 from benchmarks import e2e
 from benchmarks.e2e_models import Case, llama, op_policy, per_block, sequential, sqrt_segments
 from tests.conftest import assert_same_step, train_step

@@ -13,20 +13,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autockpt.api import _buffers_used
-from autockpt.blocks import (
+from autockpt.capture import Capture, Inputs, capture
+from autockpt.costs.blocks import (
     RepeatedBlocks,
     block_cut_positions,
     block_node_ranges,
     find_repeated_blocks,
 )
-from autockpt.distributed import detect_units
+from autockpt.costs.problem import DEFAULT_MAX_STAGES, Chain, NodeRange, StageRange, build_chain
+from autockpt.costs.profile import Profile, profile
 from autockpt.errors import ShardingError
-from autockpt.problem import DEFAULT_MAX_STAGES, Chain, NodeRange, StageRange, build_chain
-from autockpt.profile import Profile, profile
+from autockpt.planning.sharding import detect_units
+from autockpt.planning.specs import buffers_used as _buffers_used
 from autockpt.rewrite import SegmentSpec, rewrite
-from autockpt.trace import Capture, Inputs, capture
-from autockpt.zoo import ZOO
+from autockpt_zoo.toy import ZOO
 from tests.conftest import assert_same_step, train_step
 
 SMALL_MAX_STAGES = 8
@@ -472,7 +472,7 @@ def _case(model: nn.Module, example: Any, method: str | None = None) -> Case:
 @pytest.fixture(scope="module")
 def hf_gpt2() -> Case:
     pytest.importorskip("transformers")
-    from autockpt.zoo_hf import HF_ZOO
+    from autockpt_zoo.hf import HF_ZOO
 
     return _case(*HF_ZOO["hf_gpt2"]())
 
@@ -538,7 +538,7 @@ def test_t5_blocks_are_the_encoder_and_the_decoder_blocks():
     plan checkpoints both stacks (the decoder alone holds more parameters, cross-attention
     included)."""
     pytest.importorskip("transformers")
-    from autockpt.zoo_hf import HF_ZOO
+    from autockpt_zoo.hf import HF_ZOO
 
     model, inputs = HF_ZOO["hf_t5"]()
     encoder, decoder = (model.get_submodule(f"{s}.block") for s in ("encoder", "decoder"))

@@ -20,11 +20,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autockpt
 from autockpt.api import Planner
+from autockpt.base.rng import PythonRngStates, RngStates, worst_case_draws
+from autockpt.base.runtime import default_loss
+from autockpt.capture import Inputs, capture
 from autockpt.errors import GIB, TraceError
 from autockpt.rewrite import CheckpointSegment, segments_of
-from autockpt.rng import PythonRngStates, RngStates, worst_case_draws
-from autockpt.runtime import default_loss
-from autockpt.trace import Inputs, capture
 from tests.conftest import TINY_SPEECH, assert_same_step, train_step
 
 W = 16

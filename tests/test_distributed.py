@@ -24,11 +24,12 @@ import torch.distributed as dist
 
 import autockpt
 from autockpt.api import Planner
-from autockpt.distributed import _AllocationLedger, _Failure, detect_units, measure_rank
+from autockpt.base.runtime import default_loss
+from autockpt.distributed import _AllocationLedger, _Failure, measure_rank
 from autockpt.errors import AutockptError, InfeasibleBudgetError, ShardingError, TraceError
 from autockpt.plan import Plan
-from autockpt.runtime import default_loss
-from autockpt.zoo import block_stack, gpt
+from autockpt.planning.sharding import detect_units
+from autockpt_zoo.toy import block_stack, gpt
 from benchmarks.distributed import (
     DEFAULT_KWARGS,
     STEP_SEED,

@@ -29,7 +29,7 @@ from autockpt.errors import (
     CompileWarning,
 )
 from autockpt.rewrite import CheckpointSegment, is_checkpointed, segments_of
-from autockpt.zoo import gpt
+from autockpt_zoo.toy import gpt
 from tests.conftest import assert_same_step, budget_gb_between, quiet_planner, train_step
 
 
@@ -260,7 +260,7 @@ def test_segments_without_buffers_pass_no_context_fn(planned_gpt, monkeypatch):
         seen.append("context_fn" in kwargs)
         return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr("autockpt.rewrite.checkpoint", spy)
+    monkeypatch.setattr("autockpt.rewrite.segment.checkpoint", spy)
     fast(*inputs)[1].backward()
     assert seen == [False] * len(fast.plan.segments)
 

@@ -18,11 +18,11 @@ pytest.importorskip("transformers")
 
 import autockpt  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
+from autockpt.capture import Inputs, capture  # noqa: E402
 from autockpt.errors import GIB, PlanMismatchError  # noqa: E402
 from autockpt.rewrite import SegmentSpec, rewrite  # noqa: E402
-from autockpt.trace import Inputs, capture  # noqa: E402
-from autockpt.zoo import ZOO  # noqa: E402
-from autockpt.zoo_hf import HF_HELD_OUT, HF_ZOO  # noqa: E402
+from autockpt_zoo.hf import HF_HELD_OUT, HF_ZOO  # noqa: E402
+from autockpt_zoo.toy import ZOO  # noqa: E402
 from tests.conftest import assert_same_step, train_step  # noqa: E402
 
 FRACTIONS = (0.1, 0.5, 0.9)

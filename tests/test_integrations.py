@@ -15,12 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-import autockpt.rewrite as rewrite_module
+import autockpt.rewrite.segment as rewrite_module
+from autockpt.capture import Inputs, capture
 from autockpt.errors import GIB, PlanMismatchError
 from autockpt.measure import measure
 from autockpt.rewrite import SegmentSpec, UncoveredCallWarning, rewrite, segments_of
-from autockpt.trace import Inputs, capture
-from autockpt.zoo import gpt
+from autockpt_zoo.toy import gpt
 from tests.conftest import assert_same_step, budget_between, quiet_planner, tiny_gpt2, train_step
 
 GPT_SIZE = {"layers": 2, "dim": 32, "batch": 4, "seq_len": 16}

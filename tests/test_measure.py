@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from autockpt.capture import Inputs
 from autockpt.measure import Measurement, measure, static_bytes
-from autockpt.trace import Inputs
 
 F32 = 4
 IN = OUT = 512  # the weight (1 MiB) dwarfs every activation

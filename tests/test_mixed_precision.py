@@ -14,14 +14,14 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.allocations import allocator_events, peak_above_start, profiler_session
 from autockpt.api import Planner
+from autockpt.base.allocations import allocator_events, peak_above_start, profiler_session
+from autockpt.base.precision import Precision, PrecisionWarning
+from autockpt.base.runtime import default_loss
+from autockpt.capture import Inputs
 from autockpt.errors import PlanMismatchError
 from autockpt.measure import static_bytes
-from autockpt.precision import Precision, PrecisionWarning
-from autockpt.runtime import default_loss
-from autockpt.trace import Inputs
-from autockpt.zoo import root_shape_branch
+from autockpt_zoo.toy import root_shape_branch
 from tests.conftest import assert_same_step, budget_gb_between, train_step
 
 WIDTH, LAYERS, BATCH = 64, 6, 256

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 import autockpt
-import autockpt.rewrite as rewrite_module
+import autockpt.rewrite.segment as rewrite_module
 from autockpt.api import Planner
+from autockpt.capture import Inputs, capture
 from autockpt.errors import PlanMismatchError
 from autockpt.rewrite import (
     SegmentSpec,
@@ -29,8 +30,7 @@ from autockpt.rewrite import (
     rewrite,
     segments_of,
 )
-from autockpt.trace import Inputs, capture
-from autockpt.zoo import gpt
+from autockpt_zoo.toy import gpt
 from tests.conftest import assert_same_step, budget_gb_between, tiny_gpt2, train_step
 
 GPT_SIZE = {"layers": 2, "dim": 32, "batch": 4, "seq_len": 16}

@@ -198,7 +198,7 @@ def test_no_capturable_submodule_raises_the_root_error():
 @pytest.mark.parametrize("name, body", [("Wav2Vec2", "wav2vec2"), ("Hubert", "hubert")])
 def test_ctc_models_are_planned_inside_their_body(name, body):
     transformers = pytest.importorskip("transformers")
-    from autockpt.zoo_hf import quiet_transformers
+    from autockpt_zoo.hf import quiet_transformers
 
     with quiet_transformers():
         config = getattr(transformers, f"{name}Config")(

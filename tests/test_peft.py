@@ -125,7 +125,7 @@ def test_lora_with_a_task_type_after_optimize_is_refused():
     """The reported case: a Hugging Face model, optimized, then wrapped for causal LM (PEFT
     then calls the model with arguments of its own)."""
     pytest.importorskip("transformers")
-    from autockpt.zoo_hf import gpt2
+    from autockpt_zoo.hf import gpt2
 
     model, inputs = gpt2(layers=2, hidden=32, heads=2, batch=2, seq_len=16, dropout=0.0)
     fast = _optimize_hf(model, inputs)
@@ -148,7 +148,7 @@ def _optimize_hf(model: nn.Module, inputs: dict) -> nn.Module:
 @pytest.mark.slow
 def test_lora_on_a_hugging_face_model_before_optimize_trains_like_eager():
     pytest.importorskip("transformers")
-    from autockpt.zoo_hf import gpt2
+    from autockpt_zoo.hf import gpt2
 
     model, inputs = gpt2(layers=2, hidden=32, heads=2, batch=2, seq_len=16, dropout=0.0)
     config = peft.LoraConfig(

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt.api import _buffers_used
-from autockpt.problem import Chain, NodeRange, StageRange, build_chain
-from autockpt.profile import Profile, profile
+from autockpt.capture import Capture, Inputs, capture
+from autockpt.costs.problem import Chain, NodeRange, StageRange, build_chain
+from autockpt.costs.profile import Profile, profile
+from autockpt.planning.specs import buffers_used as _buffers_used
 from autockpt.rewrite import SegmentSpec, rewrite
-from autockpt.trace import Capture, Inputs, capture
 from tests.conftest import assert_same_step, train_step
 
 F32 = 4

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt.profile import Profile, default_loss, preserved_training_state, profile
-from autockpt.trace import Inputs, capture
+from autockpt.base.runtime import default_loss, preserved_training_state
+from autockpt.capture import Inputs, capture
+from autockpt.costs.profile import Profile, profile
 
 F32 = 4  # bytes per float32 element
 N, A, B, C = 5, 6, 12, 3  # batch, in, hidden, out
@@ -276,7 +277,7 @@ def test_default_loss_without_a_differentiable_tensor_says_to_pass_loss_fn(outpu
 def test_meta_device_profile_estimates_times_from_flops_and_sees_saved_storages():
     """On the meta device nothing runs for real: saved storages are still found (by storage
     identity, every meta address being 0), times come from FLOPs, dropout counts as random."""
-    from autockpt.profile import NOMINAL_RATES, estimated_seconds
+    from autockpt.costs.profile import NOMINAL_RATES, estimated_seconds
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 8))

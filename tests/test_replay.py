@@ -14,11 +14,11 @@ from torch import nn
 
 import autockpt
 from autockpt.api import Planner
+from autockpt.capture import Inputs, capture
+from autockpt.costs.record import record_trace
 from autockpt.errors import GIB, InfeasibleBudgetError
-from autockpt.record import record_trace
 from autockpt.rewrite import SegmentSpec, rewrite
-from autockpt.trace import Inputs, capture
-from autockpt.zoo import ZOO
+from autockpt_zoo.toy import ZOO
 from benchmarks.memory import HELD_OUT, check_model
 from solvers.replay import MemoryTrace, simulate
 from tests.conftest import assert_same_step, train_step

@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import autockpt.rewrite as rewrite_module
-from autockpt.api import _buffers_used
-from autockpt.problem import Chain, build_chain
-from autockpt.profile import Profile, profile
+import autockpt.rewrite.segment as rewrite_module
+from autockpt.capture import Capture, Inputs, capture
+from autockpt.costs.problem import Chain, build_chain
+from autockpt.costs.profile import Profile, profile
+from autockpt.planning.specs import buffers_used as _buffers_used
 from autockpt.rewrite import CheckpointSegment, SegmentSpec, rewrite, segments_of
-from autockpt.trace import Capture, Inputs, capture
 from tests.conftest import assert_same_step, train_step
 
 WIDTH = 8

@@ -361,11 +361,11 @@ def recorded(name: str, max_stages: int) -> ReplayChain:
     """One recorded step of a zoo model as a chain (the same pipeline as the planner's)."""
     import warnings
 
-    from autockpt.problem import build_chain
-    from autockpt.profile import profile
-    from autockpt.record import record_trace
-    from autockpt.trace import Inputs, capture
-    from autockpt.zoo import ZOO
+    from autockpt.capture import Inputs, capture
+    from autockpt.costs.problem import build_chain
+    from autockpt.costs.profile import profile
+    from autockpt.costs.record import record_trace
+    from autockpt_zoo.toy import ZOO
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -375,15 +375,7 @@ def recorded(name: str, max_stages: int) -> ReplayChain:
         prof = profile(model, cap, inputs)
         chain = build_chain(cap, prof, max_stages=max_stages)
         nodes = prof.nodes
-        trace = record_trace(
-            model,
-            cap,
-            inputs,
-            forward_workspace={i: node.forward_workspace for i, node in enumerate(nodes)},
-            backward_workspace={i: node.backward_workspace for i, node in enumerate(nodes)},
-            loss_workspace=prof.loss_workspace,
-            hidden_saved={i: node.hidden_saved for i, node in enumerate(nodes)},
-        )
+        trace = record_trace(model, cap, inputs, profile=prof)
     stages = tuple((first, stop) for first, stop in chain.stages)
     return ReplayChain(
         trace=trace,

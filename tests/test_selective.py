@@ -1,5 +1,5 @@
 """Selective recompute: segments that keep chosen operator outputs (solvers/selective.py,
-replay rule 6, autockpt/rewrite.py ``_KeepCalls``). Kept plans train like eager, the replay
+replay rule 6, autockpt/rewrite/ ``_KeepCalls``). Kept plans train like eager, the replay
 predicts what the allocator measures, keeping costs memory monotonically, and plans carry
 their kept operators through JSON, ``apply`` and ``torch.compile``."""
 
@@ -16,12 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autockpt
-from autockpt.api import Planner, kept_calls
+from autockpt.api import Planner
+from autockpt.costs.profile import KEEP_OVERHEAD_SECONDS
 from autockpt.errors import GIB, PlanMismatchError
 from autockpt.plan import KeptOp, Plan
-from autockpt.profile import KEEP_OVERHEAD_SECONDS
+from autockpt.planning.specs import kept_calls
 from autockpt.rewrite import segments_of
-from autockpt.zoo import ZOO
+from autockpt_zoo.toy import ZOO
 from solvers.replay import MemoryTrace, OpCall, Window, replayer
 from solvers.selective import keep_greedily, keepable_nodes, plan_cost
 from tests.conftest import assert_same_step, quiet_planner, train_step

@@ -1,4 +1,4 @@
-"""Sanity checks for the built-in model zoo (:mod:`autockpt.zoo`).
+"""Sanity checks for the built-in model zoo (:mod:`autockpt_zoo.toy`).
 
 Every factory must build a deterministic, trainable model whose example inputs run forward and
 backward, and the two capture-hostile models must fail ``torch.fx`` in exactly the way they are
@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from autockpt.zoo import (
+from autockpt_zoo.toy import (
     DEFAULT_MODEL,
     HEAVY_ZOO,
     ZOO,

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autockpt.rng import RngStates
-
-if TYPE_CHECKING:
-    from autockpt.trace import Inputs
+from autockpt.base.inputs import Inputs
+from autockpt.base.rng import RngStates
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -77,12 +76,12 @@ def as_found(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
       write a placeholder into the new table.
     * Parameter ``.grad`` (the same objects, never accumulated into: the block starts from
       no gradient). Parameter values are not copied: trial steps never step an optimizer.
-    * Input tensors (``inputs``: anything holding tensors, e.g. :class:`~autockpt.trace.Inputs`)
+    * Input tensors (``inputs``: anything holding tensors, e.g. :class:`~autockpt.base.inputs.Inputs`)
       that the block wrote -- a forward that updates its input in place -- get their values
       back, from a host copy taken on entry (no device memory); tensors it did not write
       are not touched, so their version counters do not move. A leaf input's ``.grad``
       is restored like a parameter's.
-    * torch's CPU and CUDA, Python's and NumPy's global generators (:mod:`autockpt.rng`).
+    * torch's CPU and CUDA, Python's and NumPy's global generators (:mod:`autockpt.base.rng`).
     """
     rng = RngStates.now()
     state = _ModelState(model)
@@ -214,8 +213,7 @@ def now(device: torch.device | None) -> float:
 @contextmanager
 def fake_step(model: nn.Module, inputs: Inputs) -> Iterator[Inputs]:
     """Run a step of ``model`` on fake tensors: shapes, dtypes, devices, strides and storage
-    aliasing exactly as a real step, and no memory for data (design note 1 in
-    ``autockpt/record.py``).
+    aliasing exactly as a real step, and no memory for data (NOTE [record: fake sizes]).
 
     Inside the block the model's parameters and buffers are replaced by fake twins (ties
     kept: one twin per tensor object) and the yielded inputs are fake; on exit the real
@@ -225,8 +223,6 @@ def fake_step(model: nn.Module, inputs: Inputs) -> Iterator[Inputs]:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
-
-    from autockpt.trace import Inputs as _Inputs
 
     if device_of(model, inputs).type == "meta":
         yield inputs
@@ -244,7 +240,7 @@ def fake_step(model: nn.Module, inputs: Inputs) -> Iterator[Inputs]:
 
     state = {name: twin(p) for name, p in model.named_parameters(remove_duplicate=False)}
     state |= {name: twin(b) for name, b in model.named_buffers(remove_duplicate=False)}
-    fake_inputs = _Inputs(
+    fake_inputs = Inputs(
         pytree.tree_map_only(torch.Tensor, twin, inputs.args),
         pytree.tree_map_only(torch.Tensor, twin, inputs.kwargs),
     )
@@ -262,3 +258,33 @@ def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+def warn_if_eval(model: nn.Module) -> None:
+    if not model.training:
+        name = type(model).__name__
+        warnings.warn(
+            f"{name} is in eval mode; autockpt plans a training step, so it planned {name} "
+            "in training mode (as after .train()) and left it, and the result, in eval mode. "
+            "Call .train() on the result before training: in eval mode it runs the original "
+            "forward without checkpoints (models from from_pretrained() start in eval mode).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+@contextmanager
+def training_mode(model: nn.Module) -> Iterator[None]:
+    """Put a model in eval mode into training mode for planning; on exit every module has
+    its mode back. A model in training mode is left alone: submodules the user keeps in
+    eval (frozen batch norm) are planned as they will run."""
+    if model.training:
+        yield
+        return
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training

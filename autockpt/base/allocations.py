@@ -1,7 +1,7 @@
 """The one recording layer for allocations: what the allocator reports, and what operators
 return.
 
-Two witnesses, used together by the profile's probe (see ``autockpt/profile.py``) and alone
+Two witnesses, used together by the profile's probe (see ``autockpt/costs/profile.py``) and alone
 elsewhere:
 
 * :func:`allocator_events` reads the PyTorch profiler's allocator events (``profile_memory=
@@ -10,7 +10,7 @@ elsewhere:
 * :class:`StorageTracker` is a dispatch mode that sees every storage an operator returns
   and, through a weak reference, when it dies. It works on fake and meta tensors (where no
   allocator exists), which is how a step is recorded without allocating it
-  (``autockpt/record.py``); on real tensors the difference between the two witnesses over a
+  (``autockpt/costs/record.py``); on real tensors the difference between the two witnesses over a
   stretch of work is the kernels' private workspace.
 """
 
@@ -20,28 +20,31 @@ import contextlib
 import os
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autockpt.runtime import tensors_in
+from autockpt.base.runtime import is_fake, tensors_in
 from solvers.replay import OpCall
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from autockpt.trace import Inputs
+    from autockpt.base.inputs import Inputs
 
 __all__ = [
     "AllocatorEvent",
     "Mark",
+    "StorageSet",
     "StorageTracker",
     "allocator_events",
     "marks",
     "peak_above_start",
+    "static_bytes",
+    "storage_key",
 ]
 
 
@@ -243,18 +246,45 @@ def quiet_native_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def static_tensor_bytes(model: nn.Module, inputs: Inputs) -> int:
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """The one identity of a tensor's storage: its device and address, or for fake and meta
+    tensors (which have no address) the storage object itself, which PyTorch keeps unique
+    while it lives (callers keep the tensors they compare alive)."""
+    storage = tensor.untyped_storage()
+    if is_fake(tensor):
+        return ("fake", id(storage))
+    return (str(tensor.device), storage.data_ptr())
+
+
+class StorageSet:
+    """Distinct storages, told apart by :func:`storage_key`: tied weights, views and an
+    input that is also a buffer count once. ``skip_meta`` leaves meta tensors out (what a
+    measured step holds: a meta tensor holds no memory); fake tensors count at their size
+    (what a real step would hold)."""
+
+    def __init__(self, *, skip_meta: bool = False) -> None:
+        self.skip_meta = skip_meta
+        self.keys: set[tuple[str, int]] = set()
+
+    def add(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Bytes of the storages among ``tensors`` not seen before (now seen)."""
+        total = 0
+        for t in tensors:
+            if self.skip_meta and t.device.type == "meta":
+                continue
+            key = storage_key(t)
+            if key not in self.keys:
+                self.keys.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+def static_bytes(model: nn.Module, inputs: Inputs, *, skip_meta: bool = False) -> int:
     """Bytes of the distinct storages of parameters, buffers and input tensors: what lives
-    for the whole step whatever the plan (real, fake or meta tensors alike; storages are
-    told apart by identity, which their tensors keep alive here)."""
-    seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()) + inputs.tensors():
-        storage = t.untyped_storage()
-        if id(storage) not in seen:
-            seen.add(id(storage))
-            total += storage.nbytes()
-    return total
+    for the whole step whatever the plan (:class:`StorageSet`)."""
+    return StorageSet(skip_meta=skip_meta).add(
+        [*model.parameters(), *model.buffers(), *inputs.tensors()]
+    )
 
 
 def returned_short(fake: list[tuple[str, int]], real: list[tuple[str, int]]) -> int:

@@ -10,12 +10,14 @@ the root's own code runs eagerly and the plan lives inside that body:
 2. its example inputs: run the root's forward on the user's inputs until it calls that
    submodule (a forward pre-hook records the call and stops the run there), so only the
    root's prefix runs, never the un-checkpointed step;
-3. plan it with an ordinary :class:`~autockpt.api.Planner` at the user's budget minus what
+3. plan it with an ordinary planner (:class:`autockpt.api.Planner`, which builds it and
+   hands it in: this module does not know the front door) at the user's budget minus what
    lies outside it (parameters, gradients, buffers and inputs outside it, and the gradient
    of its output that the root's backward hands in);
 4. verify: measure the root's whole step with the submodule replaced by its plan, and while
    the measured peak exceeds the budget tighten the submodule's budget by the overshoot and
-   solve again (the root's own activations, a head and its loss, are learnt this way). The
+   solve again (the root's own activations, a head and its loss, are learnt this way;
+   ``autockpt/planning/verify.py``, the one measure-and-tighten loop). The
    stated minimum is the leanest plan's whole step as measured once when planning begins,
    and the leanest plan is always tried before giving up, so that minimum fits.
 
@@ -32,30 +34,37 @@ import heapq
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
-import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from autockpt.api import Planner, ProgressFn, apply
-from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, PlanMismatchError, TraceError
+from autockpt.base.allocations import StorageSet
+from autockpt.base.inputs import Inputs, given_input_names
+from autockpt.capture.front import capture
+from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, TraceError
 from autockpt.measure import Measurement, static_bytes
-from autockpt.plan import Plan
-from autockpt.rewrite import plain_module, shallow_copy
-from autockpt.runtime import LossFn, as_found
-from autockpt.trace import Inputs, capture, given_input_names
+from autockpt.plan import Plan, scoped_bytes
+from autockpt.planning.prepared import ProgressFn
+from autockpt.planning.verify import Attempt, fit_by_measuring
+from autockpt.rewrite.result import plain_module
+from autockpt.rewrite.submodule import replace_submodule, submodule_inputs
 
 _MAX_CANDIDATES = 8
 """Submodules tried (each a prefix run and a capture) before giving up."""
-_VERIFY_ROUNDS = 4
+
+
 
 
 class SubmodulePlanner:
-    """Plan ``model`` inside its largest capturing submodule (chosen here) for any budget.
+    """Plan ``model`` inside the submodule at ``path`` (:func:`choose_submodule` chose it)
+    for any budget of the whole step.
 
-    ``error`` is the root's capture failure; it is raised again when no submodule fits.
-    ``inner`` is the submodule's own planner (scope "total", default loss: the sum of the
-    submodule's floating outputs, whose gradient has the shape the real step gives it).
+    ``error`` is the root's capture failure. ``inner`` is the submodule's own planner (an
+    :class:`autockpt.api.Planner` of ``model.get_submodule(path)`` called with
+    ``child_inputs``, scope "total", default loss: the sum of the submodule's floating
+    outputs, whose gradient has the shape the real step gives it); the caller builds it,
+    so this module does not know the front door. ``measure_step`` measures the root's whole
+    step of a result, memory only.
     """
 
     def __init__(
@@ -63,37 +72,26 @@ class SubmodulePlanner:
         model: nn.Module,
         inputs: Inputs,
         error: TraceError,
+        path: str,
+        child_inputs: Inputs,
+        inner: Any,
         *,
         scope: str,
-        loss_fn: LossFn | None,
-        leaf_modules: Iterable[str],
-        max_stages: int,
+        choose_seconds: float,
         progress: ProgressFn,
         measure_step: Callable[[nn.Module], Measurement],
     ) -> None:
         self.model, self.inputs, self.error = model, inputs, error
-        self.scope, self.loss_fn, self.measure_step = scope, loss_fn, measure_step
-        leaves = tuple(leaf_modules)
-        progress("choosing a submodule to plan inside (the root's forward cannot be captured)")
-        started = time.perf_counter()
-        self.path, self.child_inputs = choose_submodule(model, inputs, leaves, error)
-        self.phase_seconds = {"capture": time.perf_counter() - started}
+        self.path, self.child_inputs, self.inner = path, child_inputs, inner
+        self.scope, self.measure_step = scope, measure_step
+        self.phase_seconds = {"capture": choose_seconds}
         """Wall seconds of what this planner adds to the submodule's planner's phases."""
-        prefix = f"{self.path}."
-        self.inner = Planner(
-            model.get_submodule(self.path),
-            self.child_inputs,
-            scope="total",
-            leaf_modules=[name.removeprefix(prefix) for name in leaves if name.startswith(prefix)],
-            max_stages=max_stages,
-            progress=progress,
-        )
         # What the submodule's planner does not count, as far as it is known before a
         # measurement: the static part outside it, and its output's gradient (a dense
         # tensor in the real step; the planning loss's is an expanded scalar).
         self.outside_bytes = _outside_bytes(model, inputs, self.path, self.child_inputs)
         self.outside_bytes += self.inner.profile.output_bytes
-        # scope="activations" budgets what lies above the whole model's static part
+        # what scope="activations" leaves out: the whole model's static part
         self.static_bytes = (
             0
             if scope == "total"
@@ -110,7 +108,7 @@ class SubmodulePlanner:
         progress("measuring the leanest plan's whole step")
         started = time.perf_counter()
         leanest, _ = self._solve(self.inner.minimum_peak_bytes, "auto", 30.0)
-        self.leanest_measured_bytes = measure_step(leanest).peak_bytes - self.static_bytes
+        self.leanest_measured_bytes = self._used(measure_step(leanest))
         self.phase_seconds["verify"] = time.perf_counter() - started
         self.minimum_peak_bytes = max(
             self._scoped(self.inner.minimum_peak_bytes), self.leanest_measured_bytes
@@ -118,7 +116,11 @@ class SubmodulePlanner:
 
     def _scoped(self, child_bytes: int) -> int:
         """A whole-step prediction in the user's scope from the submodule's prediction."""
-        return child_bytes + self.outside_bytes - self.static_bytes
+        return scoped_bytes(child_bytes + self.outside_bytes, self.scope, self.static_bytes)
+
+    def _used(self, measurement: Measurement) -> int:
+        """A measured whole step in the user's scope."""
+        return scoped_bytes(measurement.peak_bytes, self.scope, self.static_bytes)
 
     def _solve(
         self, child_budget: int, solver: str, time_limit_s: float, selective: bool = True
@@ -139,29 +141,33 @@ class SubmodulePlanner:
     ) -> nn.Module:
         """Plan the submodule so that the root's whole step fits ``budget_bytes`` (in the
         user's scope); measure the step to check (``verify``), like Planner.optimize. The
-        leanest plan, measured to fit the minimum, is always tried before giving up."""
+        leanest plan, measured to fit the minimum, is always tried in the last round."""
         if budget_bytes < self.minimum_peak_bytes:
             raise self._infeasible(budget_bytes, self.minimum_peak_bytes)
         leanest = self.inner.minimum_peak_bytes
-        underestimate = 0  # what the measured whole step exceeded the prediction by, at most
-        checked: Measurement | None = None
-        for round_ in range(_VERIFY_ROUNDS):
+
+        def attempt(underestimate: int, last_round: bool) -> Attempt[Plan]:
             child_budget = budget_bytes + self.static_bytes - self.outside_bytes - underestimate
-            if round_ == _VERIFY_ROUNDS - 1:
+            if last_round:
                 child_budget = leanest
             result, plan = self._solve(
                 max(child_budget, leanest), solver, time_limit_s, selective
             )
-            if not verify:
-                break
-            checked = self.measure_step(result)  # the root's whole step, memory only
-            used = checked.peak_bytes - self.static_bytes
-            if used <= budget_bytes:
-                break
-            underestimate = max(underestimate + 1, used - self._scoped(plan.predicted_peak_bytes))
-        else:  # the leanest plan measured more than when planning began
-            raise self._infeasible(budget_bytes, max(used, budget_bytes + 1))
-        result.plan = self._plan(plan, budget_bytes, checked)
+            return Attempt(result, plan, self._scoped(plan.predicted_peak_bytes))
+
+        def measure(found: Attempt[Plan]) -> tuple[int, Measurement]:
+            checked = self.measure_step(found.result)  # the root's whole step, memory only
+            return self._used(checked), checked
+
+        def out_of_reach(underestimate: int, used: int) -> InfeasibleBudgetError:
+            # the leanest plan measured more than when planning began
+            return self._infeasible(budget_bytes, max(used, budget_bytes + 1))
+
+        fitted = fit_by_measuring(
+            budget_bytes, attempt, measure if verify else None, out_of_reach
+        )
+        result = fitted.attempt.result
+        result.plan = self._plan(fitted.attempt.found, budget_bytes, fitted.measurement)
         return result
 
     def _infeasible(self, budget_bytes: int, minimum: int) -> InfeasibleBudgetError:
@@ -261,124 +267,16 @@ def _captures(model: nn.Module, path: str, inputs: Inputs, leaf_modules: tuple[s
     return True
 
 
-class _Reached(BaseException):
-    """Raised by the pre-hook once the submodule's call is recorded: the run stops there.
-    A BaseException (like GeneratorExit), so a forward's ``except Exception`` around the
-    call cannot swallow it and run on into the un-checkpointed step."""
-
-
-def submodule_inputs(model: nn.Module, path: str, inputs: Inputs) -> Inputs | None:
-    """The ``(args, kwargs)`` of the root's first call of the submodule at ``path``, from a
-    run of the root's forward that stops at that call (``None``: the forward never calls it).
-
-    Tensors are detached, keeping the ``requires_grad`` they had, so the submodule is planned
-    for the gradients the real step asks of it. The model, the inputs and every random
-    generator are left as found (:func:`autockpt.runtime.as_found`): the prefix may draw
-    dropout masks, move statistics or count steps.
-    """
-    recorded: list[Inputs] = []
-
-    def detached(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().requires_grad_(t.requires_grad)
-
-    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        recorded.append(
-            Inputs(
-                pytree.tree_map_only(torch.Tensor, detached, tuple(args)),
-                pytree.tree_map_only(torch.Tensor, detached, dict(kwargs)),
-            )
-        )
-        raise _Reached
-
-    # first among the hooks: the replacement module, which has none, is called with these
-    handle = model.get_submodule(path).register_forward_pre_hook(
-        record, with_kwargs=True, prepend=True
-    )
-    try:
-        with as_found(model, inputs):
-            model(*inputs.args, **inputs.kwargs)
-    except _Reached:
-        pass
-    finally:
-        handle.remove()
-    return recorded[0] if recorded else None
-
-
-def replace_submodule(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
-    """A new instance of ``model``'s class sharing everything with it but the module at
-    ``path``, which is ``replacement``. The root and each module on the way to ``path`` are
-    shallow copies with their own registries (so the user's tree is not changed); their
-    parameters, buffers and other children are the user's own objects."""
-    root = shallow_copy(model)
-    parent = root
-    *ancestors, name = path.split(".")
-    for part in ancestors:
-        clone = shallow_copy(parent._modules[part])
-        parent._modules[part] = clone
-        parent = clone
-    parent._modules[name] = replacement
-    return root
-
-
-def apply_inside(model: nn.Module, plan: Plan, inputs: Inputs | None) -> nn.Module:
-    """Re-apply a plan whose segments are inside ``plan.submodule``: that submodule is
-    captured again, with the inputs a prefix run of the root's forward gives it."""
-    path = plan.submodule
-    assert path is not None
-    if inputs is None:
-        raise PlanMismatchError(
-            f"this plan's segments are inside submodule '{path}', whose inputs come from "
-            "running the root's forward up to it: call autockpt.apply(model, plan, "
-            "example_inputs)"
-        )
-    if inputs.signature() != plan.input_signature:
-        raise PlanMismatchError(
-            f"plan was made for inputs {plan.input_signature}, got {inputs.signature()}"
-        )
-    try:
-        child = model.get_submodule(path)
-    except AttributeError as error:
-        raise PlanMismatchError(
-            f"the plan's segments are inside submodule '{path}', which this "
-            f"{type(model).__name__} lacks (the plan is for {plan.model})"
-        ) from error
-    found = submodule_inputs(model, path, inputs)
-    if found is None:
-        raise PlanMismatchError(
-            f"the plan's segments are inside submodule '{path}', which this "
-            f"{type(model).__name__}'s forward never calls"
-        )
-    inner = dataclasses.replace(
-        plan,
-        submodule=None,
-        model=type(child).__name__,
-        input_signature=found.signature(),
-        input_names=given_input_names(child, found),
-    )
-    result = replace_submodule(model, path, apply(child, inner, found))
-    result.plan = plan
-    return result
-
-
 def _outside_bytes(model: nn.Module, inputs: Inputs, path: str, child_inputs: Inputs) -> int:
     """Bytes of the whole step's static part (distinct storages of parameters, buffers and
     inputs, plus parameter gradients) that the submodule's own step does not hold."""
     child = model.get_submodule(path)
-
-    def storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
-        return {
-            (str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes()
-            for t in tensors
-            if t.device.type != "meta"
-        }
-
-    whole = storages([*model.parameters(), *model.buffers(), *inputs.tensors()])
-    inner = storages([*child.parameters(), *child.buffers(), *child_inputs.tensors()])
+    storages = StorageSet(skip_meta=True)  # a measured step's: meta tensors hold nothing
+    storages.add([*child.parameters(), *child.buffers(), *child_inputs.tensors()])
+    outside = storages.add([*model.parameters(), *model.buffers(), *inputs.tensors()])
     inside = {id(p) for p in child.parameters()}
     outside_parameters = [p for p in model.parameters() if id(p) not in inside]
-    return sum(n for key, n in whole.items() if key not in inner) + _gradient_bytes(
-        outside_parameters
-    )
+    return outside + _gradient_bytes(outside_parameters)
 
 
 def _gradient_bytes(parameters: Iterable[nn.Parameter]) -> int:

@@ -59,8 +59,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
-from autockpt.problem import NodeRange
-from autockpt.trace import Capture
+from autockpt.capture.captured import Capture
+from autockpt.costs.problem import Chain, NodeRange, StageRange
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,41 @@ def block_cut_positions(capture: Capture, blocks: RepeatedBlocks | None) -> tupl
     ranges = block_node_ranges(capture, blocks)
     n = len(capture.compute_nodes())
     return tuple(sorted({p for r in ranges for p in r if 0 < p < n}))
+
+
+@dataclass(frozen=True)
+class PerBlockPlan:
+    """"Checkpoint each repeated block", as stage ranges of a chain: the hand-written
+    baseline most code uses, priced and drawn beside autockpt's plans, and a seed of the
+    search. ``exact``: each block is exactly one segment (the chain cuts at every block
+    boundary, as it does when built with :func:`block_cut_positions` as required cuts)."""
+
+    label: str
+    """Where the blocks are (:attr:`RepeatedBlocks.label`)."""
+    segments: tuple[StageRange, ...]
+    exact: bool
+
+
+def per_block_plan(
+    chain: Chain, capture: Capture, blocks: RepeatedBlocks | None
+) -> PerBlockPlan | None:
+    """The per-block plan on ``chain`` (``None`` without repeated blocks). When a block
+    boundary is not a cut of the chain, each block becomes the stages lying wholly inside
+    it, and a block too small to hold a whole stage is skipped (``exact`` False)."""
+    if blocks is None:
+        return None
+    ranges = block_node_ranges(capture, blocks)
+    exact = chain.stage_ranges_for(ranges)
+    if exact is not None:
+        return PerBlockPlan(blocks.label, exact, True)
+    segments: list[StageRange] = []
+    for first, stop in ranges:
+        inside = [
+            k for k, stage in enumerate(chain.stages) if stage.first >= first and stage.stop <= stop
+        ]
+        if inside and (not segments or inside[0] >= segments[-1].end):
+            segments.append(StageRange(inside[0], inside[-1] + 1))
+    return PerBlockPlan(blocks.label, tuple(segments), False)
 
 
 def _within(name: str, module: str) -> bool:

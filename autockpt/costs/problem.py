@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import torch.fx as fx
 
-from autockpt.profile import Profile
-from autockpt.trace import Capture
+from autockpt.capture.captured import Capture
+from autockpt.costs.profile import Profile
 from solvers import ChainProblem
 
 DEFAULT_MAX_STAGES = 160
@@ -94,7 +94,7 @@ def build_chain(
 
     ``static_bytes`` overrides the static part (e.g. 0 for ``scope="activations"``).
     ``required_cuts`` (positions ``p`` between compute nodes ``p-1`` and ``p``, e.g.
-    :func:`autockpt.blocks.block_cut_positions`) are kept whenever they are valid, even
+    :func:`autockpt.costs.blocks.block_cut_positions`) are kept whenever they are valid, even
     past ``max_stages``; the remaining stage budget goes to the cheapest other cuts. A
     required cut that the in-place rule forbids is left out; :meth:`Chain.stage_ranges_for`
     then reports the node ranges it bounds as not expressible.
@@ -127,7 +127,7 @@ def build_chain(
         out_boundary = crossing[end] if end < n else set()
         saved.append(nbytes(owned[k]))
         inputs.append(nbytes(boundary[k]))
-        # the cost model (deterministic), not measured seconds: see autockpt/profile.py note 3
+        # the cost model (deterministic), not measured seconds: NOTE [profile: cost model]
         fwd.append(sum(profile.nodes[i].cost_seconds for i in range(start, end)))
         bwd.append(sum(profile.nodes[i].backward_seconds for i in range(start, end)))
         grads.append(sum(profile.nodes[i].param_grad_bytes for i in range(start, end)))
@@ -273,8 +273,9 @@ def _stage_transient(
     Forward: intermediates produced inside the stage that are neither saved nor boundary
     tensors but still needed (a Linear's output before the activation that consumes it).
     Backward: a node's output gradient and its input gradients exist together, roughly its
-    output bytes plus its tensor-input bytes. The larger of the two is the estimate; the
-    measured calibration absorbs what it misses.
+    output bytes plus its tensor-input bytes. The larger of the two is the estimate: the
+    stage chain is a proxy that seeds the search; what a plan is judged by is the replay
+    (``solvers.replay``), which needs no such estimate.
     """
     size = profile.storage_bytes
     excluded = set(stage_saved) | set(boundaries)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.profile import run_graph
-from autockpt.trace import Capture, Inputs, capture, given_input_names
+from autockpt.capture import Capture, Inputs, capture, given_input_names
+from autockpt.costs.interpret import run_graph
 
 WIDTH = 8
 

@@ -4,28 +4,29 @@ The plan simulator (:mod:`solvers.replay`) replays what this module records; see
 docstring for why a replay of recorded allocations. How a step is recorded, and why
 (numbered notes the code points back to):
 
-1. **Sizes come from fake tensors.** Planning must fit where the plan fits, so the step the
+* NOTE [record: fake sizes] **Sizes come from fake tensors.** Planning must fit where the plan fits, so the step the
    plan avoids is never run with real tensors. The graph runs on fake tensors
-   (:func:`autockpt.runtime.fake_step`): every operator returns tensors with the real
+   (:func:`autockpt.base.runtime.fake_step`): every operator returns tensors with the real
    shapes, dtypes, strides, devices and storage aliasing, and no data. A dispatch mode
-   (:class:`autockpt.allocations.StorageTracker`) sees every storage an operator returns (an allocation) and,
+   (:class:`autockpt.base.allocations.StorageTracker`) sees every storage an operator returns (an allocation) and,
    through a weak reference, when it dies (a free); the graph runs like its generated code
    (values die after their last use) and backward runs through the real autograd engine,
    so gradient buffers, gradient sums and parameter gradients appear in the engine's own
    order. Backward operators belong to the compute node that created their autograd node
    (sequence numbers). On the meta device the same tracker runs on the meta tensors.
-2. **Workspaces come from real kernels, one node at a time.** What no operator returns (a
+* NOTE [record: workspaces] **Workspaces come from real kernels, one node at a time.** What no operator returns (a
    convolution's im2col buffer, a kernel's scratch space) is invisible to a dispatch mode.
-   :func:`autockpt.profile.profile` measures it per node on real tensors while only a lean
-   working set is alive (:class:`autockpt.profile.NodeWorkspace`), and :func:`record_trace`
+   :func:`autockpt.costs.profile.profile` measures it per node on real tensors while only a
+   lean working set is alive (``NodeProfile.forward_workspace``, ``backward_workspace``;
+   NOTE [profile: probe]), and :func:`record_trace`
    adds it to the node's windows: one allocation of that many bytes over each window
    (:func:`_with_workspaces`). The window's peak then equals what the allocator reaches
    there; elsewhere the extra bytes can only over-count, never under-count.
-3. **Early stop.** A checkpoint's recompute stops at the segment's last save for backward;
+* NOTE [record: early stop] **Early stop.** A checkpoint's recompute stops at the segment's last save for backward;
    the recorder notes, per node, how many events precede its last save (``last_pack``).
-4. **Autocast's weight cache.** Recorded under ``torch.autocast``, a node's forward casts
+* NOTE [record: autocast cache] **Autocast's weight cache.** Recorded under ``torch.autocast``, a node's forward casts
    the weights it uses; the casts of float32 leaves that require grad stay in autocast's
-   cache from their first use to the end of the step (``autockpt/precision.py``), and a
+   cache from their first use to the end of the step (``autockpt/base/precision.py``), and a
    recompute finds them there. They are no node's to free or recompute: each is moved
    into a prologue window of its own just before the forward that made it
    (:func:`_hold_cached_casts`), where no plan moves it. Without that, a checkpointed
@@ -33,14 +34,14 @@ docstring for why a replay of recorded allocations. How a step is recorded, and 
    the cache holds it all along (measured peaks 3-20% above the prediction on small
    models). The backward of every autocast cast (``ToCopyBackward``: the gradient back to
    float32) gets a backward window of its own without workspace: the probe measures each
-   node's kernels without these conversions (:class:`autockpt.precision.AutocastCasts`),
+   node's kernels without these conversions (:class:`autockpt.base.precision.AutocastCasts`),
    which in the step may run after the node's saved tensors are freed, or not.
-5. **Buffers as the step leaves them.** A forward may replace a registered buffer (a table
+* NOTE [record: buffers as left] **Buffers as the step leaves them.** A forward may replace a registered buffer (a table
    built on the first call, as timm's ConViT does); a checkpoint restoring it snapshots it
    as it finds it. The trace keeps every buffer's bytes at the end of the step
    (``MemoryTrace.buffer_bytes``), which sizes those snapshots, not the placeholder the
    model held before (measured 4092 bytes low on a 32x32 table).
-6. **Where a backward lets go of a saved tensor.** Eager keeps a saved tensor until its
+* NOTE [record: saved tensor release] **Where a backward lets go of a saved tensor.** Eager keeps a saved tensor until its
    autograd node releases what it saved, after the engine has reduced the gradients the
    formula returned (a bias gradient summed over the batch); a checkpoint's recomputed
    copy dies as the formula returns. In backward, each saved activation is handed to its
@@ -55,31 +56,33 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from autockpt.allocations import StorageTracker, returned_short, static_tensor_bytes
-from autockpt.precision import (
+from autockpt.base.allocations import StorageTracker, returned_short, static_bytes
+from autockpt.base.inputs import Inputs
+from autockpt.base.precision import (
     autocast_dtypes,
     cached_cast_dtypes,
     fresh_autocast_cache,
     held_by_cache,
     is_autocast_cast,
 )
-from autockpt.profile import CaptureInterpreter, placeholder_values
-from autockpt.rng import worst_case_draws
-from autockpt.runtime import (
+from autockpt.base.rng import worst_case_draws
+from autockpt.base.runtime import (
     LossFn,
     default_loss,
     fake_step,
     preserved_training_state,
     tensors_in,
 )
-from autockpt.trace import Capture, Inputs
+from autockpt.capture.captured import Capture
+from autockpt.costs.interpret import CaptureInterpreter, placeholder_values
+from autockpt.costs.profile import Profile
 from solvers.replay import BACKWARD, FORWARD, LOSS, PROLOGUE, MemoryTrace, Window
 
 __all__ = ["record_trace"]
@@ -91,28 +94,25 @@ def record_trace(
     inputs: Inputs,
     *,
     loss_fn: LossFn | None = None,
-    forward_workspace: Mapping[int, int] | None = None,
-    backward_workspace: Mapping[int, int] | None = None,
-    loss_workspace: int = 0,
-    hidden_saved: Mapping[int, int] | None = None,
-    device_forward_ops: Mapping[int, Sequence[tuple[str, int]]] | None = None,
+    profile: Profile | None = None,
 ) -> MemoryTrace:
     """Record one step of ``capture``'s graph as attributed allocation events, on fake
-    tensors (note 1): nothing the size of an activation is allocated.
+    tensors (NOTE [record: fake sizes]): nothing the size of an activation is allocated.
 
-    ``forward_workspace[i]`` / ``backward_workspace[i]`` are the bytes node ``i``'s kernels
-    allocate beyond the tensors its operators return, ``loss_workspace`` the loss's, and
-    ``hidden_saved[i]`` what node ``i``'s forward leaves allocated until its backward (note
-    2; all measured by :func:`autockpt.profile.profile`). The model, its gradients, buffers
-    and the RNG are as they were afterwards.
+    ``profile`` (:func:`autockpt.costs.profile.profile` of the same capture) brings what the
+    probe measured on real kernels (NOTE [record: workspaces]): per node the bytes its
+    kernels allocate beyond the tensors its operators return, in forward and backward, the
+    loss's, what a forward leaves allocated until its backward, and the operators' returned
+    bytes that fake kernels miss. Without it the trace holds the fake step's events only.
+    The model, its gradients, buffers and the RNG are as they were afterwards.
     """
     loss_fn = loss_fn or default_loss
     nodes = capture.compute_nodes()
     index_of = {node: i for i, node in enumerate(nodes)}
-    static = static_tensor_bytes(model, inputs)
-    # Under autocast the step starts with an empty weight cache (note 4), and the fake
+    static = static_bytes(model, inputs)
+    # Under autocast the step starts with an empty weight cache (NOTE [record: autocast cache]), and the fake
     # casts it made are not left in the caller's. Scalar draws take their worst case, as
-    # in the profile (a random-depth model runs every layer: autockpt/rng.py).
+    # in the profile (a random-depth model runs every layer: autockpt/base/rng.py).
     with (
         fresh_autocast_cache(),
         preserved_training_state(model),
@@ -122,25 +122,29 @@ def record_trace(
         trace, fake_ops, cached, conversions = _record(
             model, capture, fake_inputs, index_of, loss_fn, static
         )
-        # Buffers as the step leaves them (note 5): a forward may have replaced one.
+        # Buffers as the step leaves them (NOTE [record: buffers as left]): a forward may have replaced one.
         trace = dataclasses.replace(
             trace,
             buffer_bytes=tuple(
                 (name, b.nbytes) for name, b in model.named_buffers(remove_duplicate=False)
             ),
         )
-    forward_workspace = dict(forward_workspace or {})
-    backward_workspace = dict(backward_workspace or {})
-    hidden_saved = dict(hidden_saved or {})
-    if device_forward_ops:
+    if profile is None:
+        return _hold_cached_casts(trace, cached) if cached else trace
+    nodes = profile.nodes
+    forward_workspace = {i: node.forward_workspace for i, node in enumerate(nodes)}
+    backward_workspace = {i: node.backward_workspace for i, node in enumerate(nodes)}
+    hidden_saved = {i: node.hidden_saved for i, node in enumerate(nodes)}
+    if profile.device != "meta":
+        device_forward_ops = {i: node.device_forward_ops for i, node in enumerate(nodes)}
         _add_what_fake_kernels_miss(trace, fake_ops, device_forward_ops, hidden_saved)
-    if forward_workspace or backward_workspace or loss_workspace or hidden_saved:
+    if forward_workspace or backward_workspace or profile.loss_workspace or hidden_saved:
         trace = _with_workspaces(
             trace,
-            forward_workspace or {},
-            backward_workspace or {},
-            loss_workspace,
-            hidden_saved or {},
+            forward_workspace,
+            backward_workspace,
+            profile.loss_workspace,
+            hidden_saved,
             conversions,
         )
     if cached:
@@ -149,7 +153,7 @@ def record_trace(
 
 
 def _hold_cached_casts(trace: MemoryTrace, cached: set[int]) -> MemoryTrace:
-    """``trace`` with each allocation autocast's weight cache holds (note 4) made in a
+    """``trace`` with each allocation autocast's weight cache holds (NOTE [record: autocast cache]) made in a
     prologue window of its own, right before the forward window that made it: the replay
     keeps what no forward window made where and when it was (allocated there, never freed in
     the step) and never copies it into a recompute. Windows only advance along the event
@@ -207,7 +211,7 @@ def _add_what_fake_kernels_miss(
     device_ops: Mapping[int, Sequence[tuple[str, int]]],
     hidden: dict[int, int],
 ) -> None:
-    """Note 2, second half: where an operator of a node's forward returned more on the
+    """NOTE [record: workspaces], second half: where an operator of a node's forward returned more on the
     device than on fake tensors (``aten::mkldnn_rnn_layer`` returns its reserve buffer on
     the CPU and an empty one from its fake kernel), the difference joins the node's hidden
     saved bytes (such buffers are what the backward needs). Operators are compared one by
@@ -232,7 +236,7 @@ def _with_workspaces(
     hidden_saved: Mapping[int, int],
     conversions: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> MemoryTrace:
-    """``trace`` with what the probe saw and fake tensors cannot (note 2): one workspace
+    """``trace`` with what the probe saw and fake tensors cannot (NOTE [record: workspaces]): one workspace
     allocation spanning each window that has one, and each node's hidden saved bytes from
     the start of its forward to the end of its backward, saved by that node (so a plan that
     checkpoints the node drops and recomputes them like its other saved tensors).
@@ -240,7 +244,7 @@ def _with_workspaces(
     A node's backward may be split into several windows (several autograd nodes); each gets
     the node's backward workspace, which over-counts only if two of them peak together,
     except the windows that convert autocast casts' gradients back to float32
-    (``conversions``, note 4): the probe measured the node without them."""
+    (``conversions``, NOTE [record: autocast cache]): the probe measured the node without them."""
     windows = trace.windows
     last_backward: dict[int, int] = {}
     forward_window: dict[int, int] = {}
@@ -269,13 +273,13 @@ def _with_workspaces(
         if size > 0:
             span(size, w, w, at_start=True)
     # In a window with a workspace, where the allocator peaked is unknown: a recomputed copy
-    # is kept to the window's eager free (note 6), never dropped before that peak.
+    # is kept to the window's eager free (NOTE [record: saved tensor release]), never dropped before that peak.
     spanned = set(before)
     saved = [list(ids) for ids in trace.saved]
     for node, size in sorted(hidden_saved.items()):
         if size > 0 and node in last_backward and node in forward_window:
             # allocated as the forward starts: before the node's saves, so a recompute that
-            # stops after its last save (note 3) makes them again
+            # stops after its last save (NOTE [record: early stop]) makes them again
             saved[node].append(span(size, forward_window[node], last_backward[node], True))
     # One pass in time order; windows only advance along the event list.
     events: list[tuple[int, int]] = []
@@ -323,9 +327,13 @@ class _NodeRunner(CaptureInterpreter):
         self.outputs: list[list[Any]] = [[] for _ in range(n)]
         self.saved: list[list[Any]] = [[] for _ in range(n)]
         self.graph_outputs: list[Any] = []
-        self.on_node: Any = None
-        self.on_pack: Any = None  # called with the node's index at each save (note 3)
-        self.on_unpack: Any = None  # what a backward gets for a saved tensor (note 6)
+        # What the recorder is told (set by _record): a compute node begins; it saved a
+        # tensor (NOTE [record: early stop]); it returned; and what a backward gets for a
+        # saved tensor (NOTE [record: saved tensor release]).
+        self.on_node: Callable[[int], None] | None = None
+        self.on_pack: Callable[[int], None] | None = None
+        self.on_result: Callable[[int, Any], None] | None = None
+        self.on_unpack: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         i = self.index_of.get(n)
@@ -354,6 +362,8 @@ class _NodeRunner(CaptureInterpreter):
             result = super().run_node(n)
         self.saved[i] = saved
         self.outputs[i] = [self.key(t) for t in tensors_in(result)]
+        if self.on_result is not None:
+            self.on_result(i, result)
         return result
 
 
@@ -396,7 +406,7 @@ def _forward_sequence_numbers(
 ) -> set[int]:
     """Sequence numbers of the autograd nodes reachable from ``result`` and not yet known;
     those that convert an autocast cast's gradient back to float32 are also added to
-    ``conversions`` (note 4; ``cast_to`` from :func:`autockpt.precision.autocast_dtypes`)."""
+    ``conversions`` (NOTE [record: autocast cache]; ``cast_to`` from :func:`autockpt.base.precision.autocast_dtypes`)."""
     found: set[int] = set()
     stack = [t.grad_fn for t in tensors_in(result) if t.grad_fn is not None]
     seen: set[int] = set()
@@ -440,10 +450,10 @@ def _record(
     loss_fn: LossFn,
     static: int,
 ) -> tuple[MemoryTrace, dict[int, list[tuple[str, int]]], set[int], set[int]]:
-    """One step of the graph under :class:`autockpt.allocations.StorageTracker` (note 1), on whatever tensors
+    """One step of the graph under :class:`autockpt.base.allocations.StorageTracker` (NOTE [record: fake sizes]), on whatever tensors
     ``model`` and ``inputs`` hold (fake or meta); also the operators each window called and
     the bytes of new storage each returned, the allocations autocast's weight cache holds
-    and the backward windows that convert autocast casts' gradients (note 4)."""
+    and the backward windows that convert autocast casts' gradients (NOTE [record: autocast cache])."""
     statics = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
     tracker = _CastTracker({id(s) for s in static_storages}, cached_cast_dtypes())
@@ -454,7 +464,7 @@ def _record(
     created: set[int] = set()
     last_pack = [-1] * n
     cast_to = autocast_dtypes()
-    conversions: set[int] = set()  # sequence numbers (note 4)
+    conversions: set[int] = set()  # sequence numbers (NOTE [record: autocast cache])
     conversion_windows: set[int] = set()
 
     runner = _NodeRunner(model, capture, index_of, tracker.key)
@@ -463,12 +473,12 @@ def _record(
         windows.append(Window(FORWARD, i))
         tracker.window = len(windows) - 1
 
-    def on_pack(i: int) -> None:  # note 3: events so far precede node i's latest save
+    def on_pack(i: int) -> None:  # NOTE [record: early stop]: events so far precede node i's latest save
         last_pack[i] = len(tracker.events)
 
     runner.on_node = on_node
     runner.on_pack = on_pack
-    stand_ins: dict[int, int] = {}  # allocation a backward got instead -> the saved one (note 6)
+    stand_ins: dict[int, int] = {}  # allocation a backward got instead -> the saved one (NOTE [record: saved tensor release])
 
     def on_unpack(t: torch.Tensor) -> torch.Tensor:
         a = tracker.key(t)
@@ -486,7 +496,7 @@ def _record(
         node = seq_owner.get(seq)
         if node is None:
             return None
-        converting = seq in conversions  # a window of its own, without workspace (note 4)
+        converting = seq in conversions  # a window of its own, without workspace (NOTE [record: autocast cache])
         last = len(windows) - 1
         if windows[-1] != Window(BACKWARD, node) or (last in conversion_windows) != converting:
             windows.append(Window(BACKWARD, node))
@@ -494,18 +504,12 @@ def _record(
                 conversion_windows.add(len(windows) - 1)
         return len(windows) - 1
 
-    original_run_node = runner.run_node
+    def on_result(i: int, result: Any) -> None:
+        for seq in _forward_sequence_numbers(result, created, conversions, cast_to):
+            seq_owner.setdefault(seq, i)
+            created.add(seq)
 
-    def run_node(node: fx.Node) -> Any:
-        result = original_run_node(node)
-        i = index_of.get(node)
-        if i is not None:
-            for seq in _forward_sequence_numbers(result, created, conversions, cast_to):
-                seq_owner.setdefault(seq, i)
-                created.add(seq)
-        return result
-
-    runner.run_node = run_node  # type: ignore[method-assign]
+    runner.on_result = on_result
     with tracker:
         output = capture.graph._codegen.process_outputs(
             runner.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
@@ -560,7 +564,7 @@ def _without_stand_ins(
     recorded: Sequence[tuple[int, int]], stand_ins: Mapping[int, int]
 ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int, int], ...]]:
     """The step's events without the stand-ins backward formulas got for saved tensors
-    (note 6), and per saved allocation where the last of them died: ``(allocation, window,
+    (NOTE [record: saved tensor release]), and per saved allocation where the last of them died: ``(allocation, window,
     event)``, the stand-in died in ``window`` right before ``event`` (an index into the
     events returned)."""
     events: list[tuple[int, int]] = []

@@ -1,4 +1,4 @@
-"""Stage 2 — profile: run the captured graph node by node and record what each node costs.
+"""Stage 2 — profile: what each node of the captured graph costs, without running the step.
 
 Per compute node the profile records
 
@@ -8,17 +8,19 @@ Per compute node the profile records
   output and the next Linear that saves the same tensor as its input share one storage);
 * the storages of its outputs and the storages it mutates in place (version counters), so
   that the chain builder never cuts across a tensor that is mutated later;
-* forward seconds (median over ``repeat`` timed runs), backward seconds (time from the
-  node's gradient arriving to the next node's, read from autograd pre-hooks), FLOPs
-  (``torch.utils.flop_counter``) and whether it consumes random numbers (RNG state changes);
+* forward and backward seconds, each node run alone on the device (its forward, then
+  ``torch.autograd.grad`` of its outputs; the minimum over ``repeat`` runs: NOTE
+  [profile: probe]), FLOPs (``torch.utils.flop_counter``) and whether it draws random
+  numbers (the operators' ``nondeterministic_seeded`` tag: NOTE [profile: fake structure]);
+* the kernels' workspaces beyond what the node's operators return (NOTE [profile: probe]);
 * the parameter-gradient bytes that appear when backward reaches the node.
 
 Model buffers that the forward changes (batch-norm running statistics, counters, a table
 built on the first call) are those an operator writes during the fake step (by schema:
 kernels update running statistics without bumping version counters) and those whose slot
 the forward fills with a new tensor. The model, the caller's inputs and the global random
-generators are left as found (:func:`autockpt.runtime.as_found`): profiling leaves no trace
-in training.
+generators are left as found (:func:`autockpt.base.runtime.as_found`): profiling leaves no
+trace in training.
 """
 
 from __future__ import annotations
@@ -36,28 +38,31 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from autockpt.allocations import (
+from autockpt.base.allocations import (
+    StorageSet,
     StorageTracker,
     allocator_events,
     marks,
     peak_above_start,
     profiler_session,
-    static_tensor_bytes,
+    static_bytes,
+    storage_key,
 )
-from autockpt.precision import AutocastCasts, empty_autocast_cache, fresh_autocast_cache
-from autockpt.rng import worst_case_draws
-from autockpt.runtime import (  # noqa: F401 - preserved_training_state is re-exported
+from autockpt.base.inputs import Inputs
+from autockpt.base.precision import AutocastCasts, empty_autocast_cache, fresh_autocast_cache
+from autockpt.base.rng import worst_case_draws
+from autockpt.base.runtime import (
     LossFn,
     as_found,
     default_loss,
     device_of,
     fake_step,
-    is_fake,
     now,
-    preserved_training_state,
     tensors_in,
 )
-from autockpt.trace import Capture, Inputs
+from autockpt.capture.captured import Capture
+from autockpt.costs.interpret import CaptureInterpreter, run_graph
+from autockpt.errors import TraceError
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,9 @@ class NodeProfile:
     :attr:`Profile.storage_bytes`.
 
     ``cost_seconds`` is the node's forward cost as the solvers see it: a deterministic
-    function of its FLOPs and bytes (note 3), so that the same graph gives the same plan in
+    function of its FLOPs and bytes (NOTE [profile: cost model]), so that the same graph gives the same plan in
     every process. ``forward_seconds``/``backward_seconds`` are measured on the device
-    (note 2) and used to report times. ``forward_workspace``/``backward_workspace`` are the
+    (NOTE [profile: probe]) and used to report times. ``forward_workspace``/``backward_workspace`` are the
     bytes its kernels allocate beyond the tensors its operators return."""
 
     name: str
@@ -91,7 +96,7 @@ class NodeProfile:
     """The operators the node's forward called on the device and the bytes of new storage
     each returned (the probe's storage tracker). A fake kernel can return less than the
     real one (an RNN's reserve buffer comes back empty on fake tensors); the recorder
-    compares operator by operator and adds the difference (autockpt/record.py, note 2)."""
+    compares operator by operator and adds the difference (NOTE [record: workspaces])."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,7 @@ class Profile:
     probe_peak_bytes: int | None = None
     worst_case_draws: int = 0
     """Scalar draws the fake step answered with their worst case (a random-depth model,
-    autockpt/rng.py); when any, the probe and the verifying measurement run under the same
+    autockpt/base/rng.py); when any, the probe and the verifying measurement run under the same
     rule, so that all of them size the same step."""
 
     @property
@@ -137,50 +142,6 @@ class Profile:
         )
 
 
-def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> list[Any]:
-    """The flat list of values for the graph's placeholders, in graph order."""
-    placeholders = [n for n in capture.graph.nodes if n.op == "placeholder"]
-    spec = capture.extra_attributes.get("_in_spec")
-    if spec is not None:
-        from torch.fx._pytree import tree_flatten_spec
-
-        return list(tree_flatten_spec((list(inputs.args), inputs.kwargs), spec))
-    import inspect
-
-    signature = inspect.signature(model.forward)
-    bound = signature.bind(*inputs.args, **inputs.kwargs)
-    # a keyword the forward takes through ``**kwargs`` is its own placeholder when fx traces
-    # the call as the user makes it (trace.py, _CallShape)
-    catch_all = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
-    extra = bound.arguments.get(catch_all[0], {}) if catch_all else {}
-    values = []
-    for node in placeholders:
-        name = str(node.target)
-        if name in bound.arguments:
-            values.append(bound.arguments[name])
-        elif name in extra:
-            values.append(extra[name])
-        elif name.startswith("*"):  # fx's placeholder for ``*args`` / ``**kwargs``
-            empty: Any = {} if name.startswith("**") else ()
-            values.append(bound.arguments.get(name.lstrip("*"), empty))
-        elif node.args:
-            values.append(node.args[0])
-        else:
-            raise TypeError(f"no value for the graph input '{name}'")
-    return values
-
-
-def run_graph(
-    capture: Capture, model: nn.Module, inputs: Inputs, interpreter: fx.Interpreter | None = None
-) -> Any:
-    """Run the captured graph on the original module tree and return the user-facing output."""
-    interp = interpreter or CaptureInterpreter(model, capture)
-    # Inputs are flattened and outputs rebuilt here, once (the interpreter would otherwise
-    # rebuild an export graph's pytree output a second time).
-    flat = interp.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
-    return capture.graph._codegen.process_outputs(flat)
-
-
 def profile(
     model: nn.Module,
     capture: Capture,
@@ -194,10 +155,10 @@ def profile(
     the un-checkpointed step on real tensors.
 
     Structure (saved, returned and mutated storages, FLOPs, random ops) comes from one
-    forward on fake tensors (note 1); kernel workspaces and times from the probe (note 2),
+    forward on fake tensors (NOTE [profile: fake structure]); kernel workspaces and times from the probe (NOTE [profile: probe]),
     which runs each node on real tensors while only a lean working set is alive. On the
     meta device (or with ``estimate_times``) there is no probe: times are the cost model's
-    (note 3) and workspaces are unknown.
+    (NOTE [profile: cost model]) and workspaces are unknown.
     """
     loss_fn = loss_fn or default_loss
     device = device_of(model, inputs)
@@ -205,16 +166,21 @@ def profile(
         estimate_times = device.type == "meta"
     nodes = capture.compute_nodes()
     index_of = {node: i for i, node in enumerate(nodes)}
-    _, param_bytes, buffer_bytes, input_bytes = _static_storages(model, inputs)
+    static = StorageSet()  # parameters first, then buffers and inputs not shared with them
+    param_bytes = static.add(model.parameters())
+    buffer_bytes = static.add(model.buffers())
+    input_bytes = static.add(inputs.tensors())
     grad_bytes_by_node, param_grad_bytes = _param_grad_attribution(model, capture, index_of)
 
     # The probe runs real nodes: a forward that updates its input in place writes the
     # caller's tensor, and dropout draws from the global generator; all is put back.
     with as_found(model, inputs):
         with fake_step(model, inputs) as fake_inputs:
-            static_keys = _static_storages(model, fake_inputs)[0]
+            fake_static = StorageSet()
+            fake_static.add([*model.parameters(), *model.buffers(), *fake_inputs.tensors()])
+            static_keys = fake_static.keys
             held = dict(model.named_buffers(remove_duplicate=False))
-            buffer_names = {_storage_key(b): name for name, b in held.items()}
+            buffer_names = {storage_key(b): name for name, b in held.items()}
             structure = _Recorder(model, capture, index_of, static_keys)
             output = run_graph(capture, model, fake_inputs, structure)
             loss = loss_fn(output)
@@ -285,7 +251,7 @@ def profile(
     )
 
 
-# Note 3 — the cost model. Plans must not change with machine noise (ranks and processes
+# NOTE [profile: cost model]. Plans must not change with machine noise (ranks and processes
 # must agree), so the solvers' recompute cost is a fixed function of the graph: a roofline
 # of each node's FLOPs and memory traffic at nominal rates for its device class, plus a
 # fixed per-node dispatch cost. Measured times only report (and scale) seconds. Only the
@@ -296,12 +262,16 @@ NOMINAL_RATES: dict[str, tuple[float, float, float]] = {
     "cuda": (100e12, 2e12, 10e-6),
     "meta": (100e12, 2e12, 10e-6),
 }
+
+
 KEEP_OVERHEAD_SECONDS: dict[str, float] = {"cpu": 50e-6, "cuda": 20e-6, "meta": 20e-6}
 """What keeping one node's output inside a segment (selective recompute) costs, in the cost
 model's seconds: two marker calls and a dispatch mode around the node's few operators, in
-the forward and in the recompute (autockpt/rewrite.py, ``_KeepCalls``). A node is kept only
+the forward and in the recompute (autockpt/rewrite/, ``_KeepCalls``). A node is kept only
 where its own cost is higher. Measured on a 2-core CPU: see docs/design.md, "Selective
 recompute"."""
+
+
 SEGMENT_OVERHEAD_SECONDS: dict[str, float] = {"cpu": 100e-6, "cuda": 50e-6, "meta": 50e-6}
 """Fixed cost of one checkpoint segment (saved-tensor hooks, recompute dispatch) per device
 class, in the cost model's seconds: it keeps the solvers from cutting a cheap model into
@@ -309,34 +279,15 @@ many tiny segments."""
 
 
 def estimated_seconds(flops: int, traffic_bytes: int, device_type: str = "cuda") -> float:
-    """The cost model's forward seconds of one node (note 3): the slower of its arithmetic
+    """The cost model's forward seconds of one node (NOTE [profile: cost model]): the slower of its arithmetic
     and its memory traffic (bytes read and written) at the nominal rates of
     ``device_type``, plus a fixed per-node cost."""
     flop_rate, byte_rate, per_node = NOMINAL_RATES.get(device_type, NOMINAL_RATES["cuda"])
     return max(flops / flop_rate, traffic_bytes / byte_rate) + per_node
 
 
-class CaptureInterpreter(fx.Interpreter):
-    """Runs a capture's graph on the user's module tree. Attributes the tree lacks are
-    constants that capture created (torch.export lifts tensors a forward builds, e.g. with
-    ``torch.tensor``, into ``lifted_tensor_<k>``); they are read from the capture."""
-
-    def __init__(self, model: nn.Module, capture: Capture, **kwargs: Any) -> None:
-        super().__init__(model, graph=capture.graph, **kwargs)
-        self.capture_module = capture.graph_module
-
-    def fetch_attr(self, target: str) -> Any:
-        try:
-            return super().fetch_attr(target)
-        except RuntimeError:
-            obj: Any = self.capture_module
-            for part in target.split("."):
-                obj = getattr(obj, part)
-            return obj
-
-
 class _Recorder(CaptureInterpreter):
-    """Note 1: runs the graph once on fake tensors and records per node the storages it
+    """NOTE [profile: fake structure]: runs the graph once on fake tensors and records per node the storages it
     saves for backward, returns and writes in place, its FLOPs and memory traffic, whether
     it draws random numbers, and which of its tensor arguments need gradients (the probe
     recreates exactly those). Values stay alive for the whole run so that storage ids are
@@ -376,7 +327,7 @@ class _Recorder(CaptureInterpreter):
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
             return None
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key in self.static_keys:
             return None
         if key not in self.storage_index:
@@ -405,7 +356,7 @@ class _Recorder(CaptureInterpreter):
         watch = _OpWatch()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                # a scalar draw (LayerDrop) is answered by its worst case (autockpt/rng.py)
+                # a scalar draw (LayerDrop) is answered by its worst case (autockpt/base/rng.py)
                 with FlopCounterMode(display=False) as counter, watch, worst_case_draws() as drawn:
                     result = super().run_node(n)
         except (DynamicOutputShapeException, DataDependentOutputException) as error:
@@ -414,8 +365,8 @@ class _Recorder(CaptureInterpreter):
         for k, t in enumerate(outputs):
             if t.requires_grad:
                 t.register_hook(functools.partial(self._grad_layout, i, k))
-        written = {_storage_key(t) for t in watch.written}
-        written |= {_storage_key(t) for t, v in versions if t._version != v}
+        written = {storage_key(t) for t in watch.written}
+        written |= {storage_key(t) for t, v in versions if t._version != v}
         self.written |= written
         self.flops[i] = int(counter.get_total_flops())
         # a node whose scalar draw was answered drew nothing here, but draws when it runs:
@@ -470,9 +421,7 @@ class _OpWatch(TorchDispatchMode):
 
 def _data_dependent(n: fx.Node, error: Exception) -> Exception:
     """The typed error for an operator whose output shape depends on tensor values: such a
-    step cannot be sized without running it, and planning never runs it (note 1)."""
-    from autockpt.errors import TraceError
-
+    step cannot be sized without running it, and planning never runs it (NOTE [profile: fake structure])."""
     op = getattr(error, "func", None)
     stack = n.meta.get("stack_trace") or ""
     location = stack.strip().splitlines()[-2].strip() if stack.strip() else ""
@@ -487,7 +436,7 @@ def _data_dependent(n: fx.Node, error: Exception) -> Exception:
     )
 
 
-# Note 2 — the probe. Workspaces and times are properties of real kernels, so they are
+# NOTE [profile: probe]. Workspaces and times are properties of real kernels, so they are
 # measured on the device, but never with a whole step alive: the graph runs forward
 # without autograd (values die after their last use: the working set of any plan's
 # forward), and at each compute node the node alone runs forward and backward on copies of
@@ -511,7 +460,7 @@ class _ProbeResult:
 
 
 class _Prober(CaptureInterpreter):
-    """Runs the graph without autograd and probes every compute node (note 2)."""
+    """Runs the graph without autograd and probes every compute node (NOTE [profile: probe])."""
 
     def __init__(
         self,
@@ -519,13 +468,11 @@ class _Prober(CaptureInterpreter):
         capture: Capture,
         index_of: dict[fx.Node, int],
         structure: _Recorder,
-        timed: bool,
         tracker: StorageTracker | None,
     ) -> None:
         super().__init__(model, capture, garbage_collect_values=True)
         self.index_of = index_of
         self.structure = structure
-        self.timed = timed
         self.tracker = tracker
         n = len(index_of)
         self.forward_seconds = [0.0] * n
@@ -627,13 +574,13 @@ class _Prober(CaptureInterpreter):
 
 def _worst_case_probe(draws: bool, *args: Any) -> _ProbeResult:
     """The probe, with scalar draws at their worst case when the fake step met any (a
-    random-depth model runs every layer: autockpt/rng.py)."""
+    random-depth model runs every layer: autockpt/base/rng.py)."""
     with worst_case_draws() if draws else contextlib.nullcontext():
         return _probe(*args)
 
 
 # Under autocast the probe leaves none of the weight casts it makes in autocast's cache
-# (autockpt/precision.py).
+# (autockpt/base/precision.py).
 @fresh_autocast_cache()
 def _probe(
     model: nn.Module,
@@ -644,13 +591,13 @@ def _probe(
     structure: _Recorder,
     repeat: int,
 ) -> _ProbeResult:
-    """Note 2: measure every node's kernel workspaces (pass 1) and times (pass 2) on the
+    """NOTE [profile: probe]: measure every node's kernel workspaces (pass 1) and times (pass 2) on the
     device with a lean working set; also the loss's, and the allocator's peak meanwhile."""
     device = device_of(model, inputs)
     n = len(index_of)
     tracker = StorageTracker()
     tracker.op_calls = {}
-    prober = _Prober(model, capture, index_of, structure, timed=False, tracker=tracker)
+    prober = _Prober(model, capture, index_of, structure, tracker=tracker)
     with profiler_session() as session:
         output = run_graph(capture, model, inputs, prober)
         _probe_loss(prober, output, loss_fn)
@@ -666,14 +613,14 @@ def _probe(
         seen = tracked.get(label, [])
         workspace[label] = max(0, peak_above_start(real) - peak_above_start(seen))
         hidden[label] = max(0, sum(real) - sum(seen))
-    peak = static_tensor_bytes(model, inputs) + peak_above_start([e.nbytes for e in events])
+    peak = static_bytes(model, inputs) + peak_above_start([e.nbytes for e in events])
     del session, events, tracked, tracker, prober
 
     forward = [float("inf")] * n
     backward = [float("inf")] * n
     loss_seconds = float("inf")
     for _ in range(repeat):
-        timer = _Prober(model, capture, index_of, structure, timed=True, tracker=None)
+        timer = _Prober(model, capture, index_of, structure, tracker=None)
         output = run_graph(capture, model, inputs, timer)
         loss_seconds = min(loss_seconds, sum(_probe_loss(timer, output, loss_fn)))
         del output
@@ -727,50 +674,6 @@ def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, f
     )
 
 
-class _SeededOpWatch(TorchDispatchMode):
-    """Notes whether any operator that draws random numbers runs. Meta tensors consume no
-    random numbers, so the RNG-state witness used on real devices sees nothing there; the
-    operator's ``nondeterministic_seeded`` tag (dropout, bernoulli, randn_like) says it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            self.seen = True
-        return func(*args, **(kwargs or {}))
-
-
-def _static_storages(
-    model: nn.Module, inputs: Inputs
-) -> tuple[set[tuple[str, int]], int, int, int]:
-    """Storages that live for the whole step whatever the plan, and their byte totals."""
-    keys: set[tuple[str, int]] = set()
-
-    def add(t: torch.Tensor) -> int:
-        key = _storage_key(t)
-        if key in keys:
-            return 0
-        keys.add(key)
-        return t.untyped_storage().nbytes()
-
-    params = sum(add(p) for p in model.parameters())
-    buffers = sum(add(b) for b in model.buffers())
-    inputs_bytes = sum(add(t) for t in inputs.tensors())
-    return keys, params, buffers, inputs_bytes
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    """Identity of a tensor's storage: its address, or for fake and meta tensors (which
-    have none) the storage object itself, which PyTorch keeps unique while it lives (the
-    recorder and the model keep every profiled storage alive)."""
-    storage = tensor.untyped_storage()
-    if is_fake(tensor):
-        return ("fake", id(storage))
-    return (str(tensor.device), storage.data_ptr())
-
-
 def _param_grad_attribution(
     model: nn.Module, capture: Capture, index_of: dict[fx.Node, int]
 ) -> tuple[dict[int, int], int]:
@@ -798,12 +701,6 @@ def _param_grad_attribution(
         grads[i] = grads.get(i, 0) + p.numel() * p.element_size()
     total = sum(p.numel() * p.element_size() for p in by_id.values())
     return grads, total
-
-
-def _cuda_rng_state() -> Any:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return [s.tolist() for s in torch.cuda.get_rng_state_all()]
-    return None
 
 
 def _first_device(n: fx.Node, env: dict) -> torch.device:

@@ -101,7 +101,7 @@ class PythonRngStates:
     """The states of the generators torch's checkpoint does not preserve: Python's
     ``random`` and NumPy's global generator. A checkpointed segment whose Python code draws
     from them stashes them at its forward and replays them at its recompute
-    (autockpt/rewrite.py), as ``preserve_rng_state`` does for torch's."""
+    (autockpt/rewrite/), as ``preserve_rng_state`` does for torch's."""
 
     python: Any
     numpy: Any
@@ -128,12 +128,6 @@ class PythonRngStates:
         if not _numpy_equal(self.numpy, later.numpy):
             moved.append("numpy")
         return tuple(moved)
-
-
-WORST_CASE_RULE = (
-    "scalar draws of torch.rand / torch.rand_like return the top of their range, "
-    "1 - eps/2 (e.g. LayerDrop's `torch.rand([]) < p` is then False: no layer is skipped)"
-)
 
 
 class WorstCaseDraws(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""Stage 4 — solve: the plan for a budget, searched under the replay (one memory model).
+"""The plan for a budget, searched under the replay (one memory model).
 
 The peak every plan reports is the replay of the recorded step (:mod:`solvers.replay`),
 so that is also what the search optimises: :func:`solvers.search.least_recompute` and
@@ -7,10 +7,11 @@ meant under the replay, at the user's budget). The stage-chain solvers (``dp``, 
 ``sqrt``, ``greedy``) optimise a proxy; they seed the search, and asked for by name they
 are still available, judged by the replay (:func:`chain_solver`).
 
-Every function takes the planner's exact prediction ``predict`` (stage ranges -> bytes in
-the planner's scope, per rank when sharded) and returns only plans whose ``predict`` fits:
-when sharding moves a rank's peak by a plan-dependent amount that the replay alone does not
-see, the search is repeated with the budget tightened by the difference (``_fitting``).
+Every method judges plans by the predictor's exact prediction
+(:meth:`autockpt.planning.predict.Predictor.predict`: stage ranges -> bytes in the budget's
+scope, per rank when sharded) and returns only plans whose prediction fits: when sharding
+moves a rank's peak by a plan-dependent amount that the replay alone does not see, the
+search is repeated with the budget tightened by the difference (``_fitting``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,18 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from autockpt.problem import Chain, StageRange
-from solvers import METHODS, ChainProblem, InfeasibleError, Solution, solve
-from solvers.replay import MemoryTrace
-from solvers.search import ReplayChain, leanest, least_recompute
+from autockpt.costs.problem import Chain, StageRange
+from autockpt.planning.predict import Predictor
+from solvers import (
+    METHODS,
+    ChainProblem,
+    InfeasibleError,
+    Solution,
+    minimum_peak_bytes,
+    simulate,
+    solve,
+)
+from solvers.search import leanest, least_recompute
 from solvers.selective import keep_greedily
 
 __all__ = ["METHODS", "SEARCH_METHODS", "BudgetSearch"]
@@ -30,46 +39,32 @@ __all__ = ["METHODS", "SEARCH_METHODS", "BudgetSearch"]
 SEARCH_METHODS = ("auto", "replay")
 """Solver names that mean the search under the replay (``auto`` is the default)."""
 
-Predict = Callable[..., int]
-"""``predict(segments, kept=())``: stage ranges (and per range the nodes kept inside it)
--> predicted bytes."""
 _TIGHTEN_ROUNDS = 4
 
 
-@dataclasses.dataclass
 class BudgetSearch:
     """Plans for any budget over one chain and one recorded step.
 
-    ``offset_bytes`` turns a replayed single-process peak into the planner's scope (0 for
-    "total", minus parameters, buffers, inputs and gradients for "activations");
-    ``predict`` is the planner's exact prediction (it adds a sharded rank's shift);
-    ``seeds`` are plans the search must never do worse than (the per-block hand plan).
+    ``predictor`` is the one memory model (its replay chain is what the torch-free search
+    walks; its ``predict`` adds a sharded rank's shift); ``seeds`` are plans the search must
+    never do worse than (the per-block hand plan).
     """
 
-    chain: Chain
-    trace: MemoryTrace
-    random: Sequence[bool]
-    stash_bytes: Sequence[int]
-    offset_bytes: int
-    predict: Predict
-    seeds: tuple[tuple[StageRange, ...], ...] = ()
-    node_seconds: Sequence[float] = ()
-    _leanest: Solution | None = None
-
-    def __post_init__(self) -> None:
-        problem = self.chain.problem
-        self.replay_chain = ReplayChain(
-            trace=self.trace,
-            stages=tuple(self.chain.stages),
-            stage_seconds=problem.forward_seconds,
-            random=tuple(self.random),
-            stash_bytes=tuple(self.stash_bytes),
-            segment_overhead_seconds=problem.segment_overhead_seconds,
-            offset_bytes=self.offset_bytes,
-            problem=problem,
-            node_seconds=tuple(self.node_seconds),
-        )
+    def __init__(
+        self,
+        chain: Chain,
+        predictor: Predictor,
+        seeds: tuple[tuple[StageRange, ...], ...] = (),
+    ) -> None:
+        self.chain = chain
+        self.predictor = predictor
+        self.seeds = seeds
+        self.replay_chain = predictor.replay_chain
+        self._leanest: Solution | None = None
         self._chain_solutions: dict[tuple[int, str], Solution] = {}
+
+    def predict(self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()) -> int:
+        return self.predictor.predict(segments, kept)
 
     # -- the search under the replay -----------------------------------------------------
 
@@ -195,12 +190,8 @@ def _with_peak(solution: Solution, peak: int) -> Solution:
 
 
 def _proxy_floor(problem: ChainProblem) -> int:
-    from solvers import minimum_peak_bytes
-
     return minimum_peak_bytes(problem)[0]
 
 
 def _proxy_ceiling(problem: ChainProblem) -> int:
-    from solvers import simulate
-
     return simulate(problem, []).peak_bytes

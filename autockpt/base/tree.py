@@ -22,7 +22,7 @@ active: ``merge_adapter()``, ``disable_adapter()``, ``set_adapter()``); it is re
 checked the same way, duck-typed on PEFT's tuner layers.
 
 Calls without autograd or in the other training mode run the original forward on the live
-tree (``autockpt/rewrite.py``), adapters and all, so they are not checked.
+tree (``autockpt/rewrite/``), adapters and all, so they are not checked.
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 import autockpt
-import autockpt.trace as trace
+import autockpt.capture.export as trace
 from autockpt.api import Planner
+from autockpt.capture import Inputs, capture
 from autockpt.errors import GIB, PlanMismatchError, TraceError
 from autockpt.rewrite import UncoveredCallWarning
-from autockpt.trace import Inputs, capture
 from tests.conftest import assert_same_step, budget_between, quiet_planner, train_step
 
 DIM = 32
@@ -468,7 +468,7 @@ def test_hugging_face_gpt2_takes_a_smaller_batch_and_sequence():
     """A tiny GPT-2 planned at batch 4 x 32 tokens (captured with export) trains at 3 x 20
     like eager within the budget; batch 5 is refused, or warned about and run."""
     pytest.importorskip("transformers")
-    from autockpt.zoo_hf import gpt2
+    from autockpt_zoo.hf import gpt2
 
     model, inputs = gpt2(batch=4, seq_len=32)
     planner = quiet_planner(model, inputs)

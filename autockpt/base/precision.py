@@ -15,13 +15,13 @@ exits. With the usual training step::
 
 those copies live from their first use to the end of backward, whatever the plan: a
 checkpointed segment's recompute finds them in the cache and allocates none. Nothing else
-about them moves with a plan, so the recording of one step (``autockpt/record.py``) keeps
+about them moves with a plan, so the recording of one step (``autockpt/costs/record.py``) keeps
 them where and when the cache makes them (:func:`held_by_cache`), and the measurement
 (``autockpt/measure.py``) runs each step with an empty cache (:func:`fresh_autocast_cache`),
 as a fresh context per step does. (With ``loss.backward()`` outside the context, the cache
 is emptied after forward: every point of the step holds at most what the plan predicts.)
 
-The profile's probe (``autockpt/profile.py``, note 2) runs under the same context with the
+The profile's probe (NOTE [profile: probe]) runs under the same context with the
 cache emptied before each node (:func:`empty_autocast_cache`: the node's casts are made in
 its own windows, where both of the probe's witnesses see them) and left empty after it, and
 it measures each node's kernels without the conversions of its casts' gradients back to
@@ -210,7 +210,7 @@ class AutocastCasts:
     output gradients): measured together, the probe's tracked peak would fall at another
     moment than the step's, and the kernels' workspace would come out wrong. The recording
     gives the conversions backward windows of their own, without workspace
-    (``autockpt/record.py``, note 4)."""
+    (NOTE [record: autocast cache])."""
 
     def __init__(self) -> None:
         self.cast_to = autocast_dtypes()

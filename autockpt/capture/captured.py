@@ -1,0 +1,76 @@
+"""What capture hands on: the graph, how it was captured, and its structural fingerprint.
+
+A :class:`Capture` is what every later stage reads (the profile, the chain, the recorder,
+the rewrite); its :meth:`Capture.fingerprint` is how a saved plan recognises the graph it
+was made for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+@dataclass
+class Capture:
+    """A captured forward: the graph plus what the rest of the pipeline needs to know about it.
+
+    ``graph_module`` is a GraphModule built over the original model's tree; only its ``graph``
+    and code generator are used downstream, never its copied attributes.
+    """
+
+    graph_module: fx.GraphModule
+    method: str
+    leaf_modules: tuple[str, ...]
+    warnings: list[str] = field(default_factory=list)
+    extra_attributes: dict[str, Any] = field(default_factory=dict)
+    dynamic_dims: tuple[str, ...] = ()
+    """Input dimensions an export graph takes at any size (``"input_ids[1]"``); the others
+    are specialised to the example's. Empty for fx graphs, which are shape-generic."""
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def shape_generic(self) -> bool:
+        """Whether the graph runs other input sizes than the example's: every fx graph, and
+        an export graph with dynamic dimensions (its guards check the fixed ones)."""
+        return self.method != "export" or bool(self.dynamic_dims)
+
+    def compute_nodes(self) -> list[fx.Node]:
+        """Nodes in execution order that do work (everything but inputs, attributes, output)."""
+        return [
+            n for n in self.graph.nodes if n.op in ("call_function", "call_method", "call_module")
+        ]
+
+    def fingerprint(self) -> str:
+        """Structural hash of the graph: ops, targets (with the class of each called
+        module) and wiring, independent of weights."""
+        digest = hashlib.sha256()
+        for node in self.graph.nodes:
+            digest.update(f"{node.op}|{node.name}|{_target_name(node.target)}|".encode())
+            if node.op == "call_module":
+                # A module's name says nothing about what it does: Identity -> Dropout
+                # changes RNG use, ReLU -> BatchNorm adds mutated buffers.
+                module = self.graph_module.get_submodule(node.target)
+                digest.update(f"{_target_name(type(module))}|".encode())
+            digest.update(repr(_arg_names(node.args)).encode())
+            digest.update(repr(_arg_names(node.kwargs)).encode())
+        return digest.hexdigest()[:16]
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", "") or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or str(target)
+    return f"{module}.{name}"
+
+
+def _arg_names(value: Any) -> Any:
+    return torch.fx.node.map_arg(value, lambda n: f"%{n.name}") if value is not None else None

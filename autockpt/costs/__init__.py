@@ -1,0 +1,1 @@
+"""Stages 2-3: what a step costs."""

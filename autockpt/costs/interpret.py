@@ -1,0 +1,76 @@
+"""Running a captured graph on the user's module tree: the one interpreter the profile, the
+recorder and the probe subclass, and the placeholder binding they share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from autockpt.base.inputs import Inputs
+from autockpt.capture.captured import Capture
+
+
+def placeholder_values(capture: Capture, model: nn.Module, inputs: Inputs) -> list[Any]:
+    """The flat list of values for the graph's placeholders, in graph order."""
+    placeholders = [n for n in capture.graph.nodes if n.op == "placeholder"]
+    spec = capture.extra_attributes.get("_in_spec")
+    if spec is not None:
+        from torch.fx._pytree import tree_flatten_spec
+
+        return list(tree_flatten_spec((list(inputs.args), inputs.kwargs), spec))
+    import inspect
+
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*inputs.args, **inputs.kwargs)
+    # a keyword the forward takes through ``**kwargs`` is its own placeholder when fx traces
+    # the call as the user makes it (trace.py, _CallShape)
+    catch_all = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
+    extra = bound.arguments.get(catch_all[0], {}) if catch_all else {}
+    values = []
+    for node in placeholders:
+        name = str(node.target)
+        if name in bound.arguments:
+            values.append(bound.arguments[name])
+        elif name in extra:
+            values.append(extra[name])
+        elif name.startswith("*"):  # fx's placeholder for ``*args`` / ``**kwargs``
+            empty: Any = {} if name.startswith("**") else ()
+            values.append(bound.arguments.get(name.lstrip("*"), empty))
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise TypeError(f"no value for the graph input '{name}'")
+    return values
+
+
+def run_graph(
+    capture: Capture, model: nn.Module, inputs: Inputs, interpreter: fx.Interpreter | None = None
+) -> Any:
+    """Run the captured graph on the original module tree and return the user-facing output."""
+    interp = interpreter or CaptureInterpreter(model, capture)
+    # Inputs are flattened and outputs rebuilt here, once (the interpreter would otherwise
+    # rebuild an export graph's pytree output a second time).
+    flat = interp.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
+    return capture.graph._codegen.process_outputs(flat)
+
+
+class CaptureInterpreter(fx.Interpreter):
+    """Runs a capture's graph on the user's module tree. Attributes the tree lacks are
+    constants that capture created (torch.export lifts tensors a forward builds, e.g. with
+    ``torch.tensor``, into ``lifted_tensor_<k>``); they are read from the capture."""
+
+    def __init__(self, model: nn.Module, capture: Capture, **kwargs: Any) -> None:
+        super().__init__(model, graph=capture.graph, **kwargs)
+        self.capture_module = capture.graph_module
+
+    def fetch_attr(self, target: str) -> Any:
+        try:
+            return super().fetch_attr(target)
+        except RuntimeError:
+            obj: Any = self.capture_module
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            return obj

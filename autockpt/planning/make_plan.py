@@ -1,0 +1,191 @@
+"""The :class:`~autockpt.plan.Plan` of one solution: what was decided, why, and what it is
+predicted to cost, from the prepared model and the predictor (nothing is computed twice).
+
+A plan is made before its step is measured, and the rewrite reads its segments back from
+it (``autockpt.rewrite.apply.segment_specs_from_plan``): the module a user gets is what the
+plan says. The measurement then joins the plan (:func:`with_measurement`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autockpt.base.inputs import given_input_names
+from autockpt.costs.problem import Chain
+from autockpt.costs.profile import Profile
+from autockpt.measure import Measurement
+from autockpt.plan import KeptOp, MemoryBreakdown, Plan, RankMemory, Segment
+from autockpt.planning.predict import Predictor
+from autockpt.planning.prepared import Prepared
+from autockpt.planning.sharding import RANK_MARGIN_BYTES, Sharding
+from autockpt.rewrite.segment import SegmentSpec
+from solvers import Solution
+
+
+def make_plan(
+    prepared: Prepared,
+    predictor: Predictor,
+    solution: Solution,
+    specs: list[SegmentSpec],
+    budget_bytes: int,
+    *,
+    minimum_peak_bytes: int,
+    no_checkpoint_peak_bytes: int,
+) -> Plan:
+    """The plan's record of ``solution`` (its segments as ``specs`` translate them,
+    ``autockpt/planning/specs.py``), not yet measured."""
+    model, captured, inputs, prof, chain = (
+        prepared.model, prepared.capture, prepared.inputs, prepared.profile, prepared.chain
+    )
+    sharding = prepared.request.sharding
+    problem = chain.problem
+    names = chain.node_names
+    kept_per_segment = solution.kept or tuple(() for _ in solution.segments)
+    recompute = predictor.recompute_seconds(solution.segments, kept_per_segment)
+    segments = []
+    for (start, end), spec, kept in zip(solution.segments, specs, kept_per_segment, strict=True):
+        saved = sum(problem.saved_bytes[start:end])
+        segments.append(Segment(
+            start_stage=start,
+            end_stage=end,
+            first_node=names[spec.first],
+            last_node=names[spec.end - 1],
+            recompute_seconds=predictor.recompute_seconds([(start, end)], [kept]),
+            bytes_freed=saved - problem.input_bytes[start],
+            preserve_rng=spec.preserve_rng,
+            restore_buffers=spec.restore_buffers,
+            kept_ops=tuple(KeptOp(*call) for call in spec.kept_ops),
+        ))
+    in_segment = {k for start, end in solution.segments for k in range(start, end)}
+    kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
+    kept += sum(problem.input_bytes[start] for start, _ in solution.segments)
+    step_with = prof.step_seconds + recompute
+    return Plan(
+        model=type(model).__name__,
+        graph_fingerprint=captured.fingerprint(),
+        input_signature=inputs.signature(),
+        input_names=given_input_names(model, inputs),
+        capture_method=captured.method,
+        leaf_modules=captured.leaf_modules,
+        num_nodes=len(names),
+        stages=tuple((names[a], names[b - 1]) for a, b in chain.stages),
+        budget_bytes=budget_bytes,
+        scope=prepared.request.scope,
+        solver=solution.method,
+        solver_status=solution.status,
+        solve_seconds=solution.solve_seconds,
+        solver_gap=solution.gap,
+        segments=tuple(segments),
+        predicted_peak_bytes=predictor.predict(solution.segments, solution.kept),
+        no_checkpoint_peak_bytes=no_checkpoint_peak_bytes,
+        minimum_peak_bytes=minimum_peak_bytes,
+        predicted_recompute_seconds=recompute,
+        predicted_step_seconds=step_with,
+        recompute_fraction=recompute / step_with if step_with > 0 else 0.0,
+        memory=MemoryBreakdown(
+            parameters=prof.param_bytes,
+            gradients=prof.param_grad_bytes,
+            buffers=prof.buffer_bytes,
+            inputs=prof.input_bytes,
+            kept_activations=kept,
+            no_checkpoint_activations=sum(problem.saved_bytes),
+        ),
+        calibration_bytes=0,
+        times_estimated=prof.times_estimated,
+        measured_peak_bytes=None,
+        measured_step_seconds=None,
+        device=prof.device,
+        notes=_notes(prepared, predictor, solution, None),
+        world_size=sharding.world_size,
+        sharding=sharding.mode,
+        fsdp_units=sharding.units,
+        rank_memory=prepared.rank_memory,
+        timeline=predictor.timeline(solution.segments, solution.kept),
+    )
+
+
+def with_measurement(
+    plan: Plan,
+    prepared: Prepared,
+    predictor: Predictor,
+    solution: Solution,
+    checked: Measurement | None,
+) -> Plan:
+    """``plan`` with its verifying measurement: the measured peak (``None`` when sharded:
+    one unsharded process is not a rank, its notes say what was measured) and step time
+    (``None`` unless the measurement timed steps)."""
+    if checked is None:
+        return plan
+    return dataclasses.replace(
+        plan,
+        measured_peak_bytes=None if prepared.request.sharding.active else checked.peak_bytes,
+        measured_step_seconds=checked.step_seconds if checked.repeat > 0 else None,
+        notes=_notes(prepared, predictor, solution, checked),
+    )
+
+
+def _notes(
+    prepared: Prepared, predictor: Predictor, solution: Solution, checked: Measurement | None
+) -> tuple[str, ...]:
+    prof, sharding = prepared.profile, prepared.request.sharding
+    notes = list(prepared.capture.warnings)
+    notes.append(
+        f"predicted peak: replay of one recorded step's {prepared.trace.source} events under "
+        "this plan (solvers.replay)"
+    )
+    notes.append(prepared.precision.note())  # checked at each training call (precision.py)
+    if prof.times_estimated:
+        notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
+    else:
+        notes.append(
+            "segments chosen by a cost model of FLOPs and bytes (deterministic); seconds "
+            "reported are measured node by node"
+        )
+    if prepared.planning_peak_bytes is not None:
+        notes.append(f"planning peak: {prepared.planning_peak_bytes} bytes (allocator)")
+    if sharding.active and checked is not None:
+        # The measured step ran unsharded in this process: not a per-rank number.
+        single = (predictor.predict(solution.segments, solution.kept)
+                  - predictor.rank_shift(solution.segments))
+        notes.append(
+            f"verified on one unsharded process: measured peak {checked.peak_bytes} bytes "
+            f"against a predicted {single}"
+        )
+    if sharding.active and prepared.request.scope == "total":
+        notes.append(
+            f"per-rank safety margin: +{RANK_MARGIN_BYTES} bytes for the process group's own "
+            "small tensors (autockpt.planning.sharding.RANK_MARGIN_BYTES)"
+        )
+    return tuple(notes)
+
+
+def breakdown(prof: Profile, chain: Chain, scope: str, least: int) -> dict[str, int]:
+    """Where the leanest plan's bytes go, for the error that refuses a budget below it (in
+    scope "activations", only what that scope counts)."""
+    parts = {
+        "parameters": prof.param_bytes,
+        "gradients": prof.param_grad_bytes,
+        "buffers": prof.buffer_bytes,
+        "inputs": prof.input_bytes,
+        "activations without checkpointing": sum(chain.problem.saved_bytes),
+        "leanest plan's peak": least,
+    }
+    if scope == "activations":
+        parts = {k: v for k, v in parts.items() if k.startswith(("activations", "leanest"))}
+    return parts
+
+
+def rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding) -> dict[str, int]:
+    """The error breakdown for one rank: its local parameters and engine buffers."""
+    label = f"per rank of {sharding.world_size} ({sharding.mode})"
+    rank = {
+        f"parameters {label}": memory.parameters,
+        "gradients per rank": memory.gradients,
+    }
+    if memory.buckets:
+        rank["DDP gradient buckets"] = memory.buckets
+    if memory.gathered_parameters:
+        rank["FSDP all-gathered parameters"] = memory.gathered_parameters
+        rank["FSDP reduce-scatter window"] = memory.reduce_scatter
+    rest = {k: v for k, v in parts.items() if k not in ("parameters", "gradients")}
+    return rank | rest

@@ -1,0 +1,243 @@
+"""What every budget's plan is made from, prepared once: capture → profile → chain →
+recorded step → per-rank terms, frozen in a :class:`Prepared`.
+
+Why one frozen record: a planner answers many budgets (a frontier, a benchmark sweep, the
+verification rounds of one budget) from one capture and one profile, and every part that
+answers them (:class:`~autockpt.planning.predict.Predictor`,
+:class:`~autockpt.planning.search.BudgetSearch`, :func:`~autockpt.planning.make_plan.make_plan`)
+reads the same values. Nothing here changes after :func:`prepare` returns, so no part can see
+another's half-finished state.
+
+The order of the phases, and why:
+
+1. *capture* (``autockpt.capture``) is done by the caller: a root whose own forward cannot be
+   captured is planned inside a submodule instead (``autockpt/planning/nested.py``), and
+   only the caller knows whether that is allowed.
+2. *profile*: sizes from a step on fake tensors, kernel workspaces and times from a probe
+   that runs one node at a time on the device (NOTE [profile: fake structure], NOTE
+   [profile: probe]); the un-checkpointed step never runs for real.
+3. *chain*: the stage chain the proxy solvers and the plan records speak in; every repeated
+   block's boundaries are cuts, so the per-block hand plan is always in the plan space.
+4. *record*: one step's allocation events for the replay (``autockpt/costs/record.py``).
+5. *rank terms*: under sharding, what a rank keeps (``autockpt/planning/sharding.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autockpt.base.inputs import Inputs
+from autockpt.base.precision import Precision
+from autockpt.base.runtime import LossFn, device_of
+from autockpt.capture.captured import Capture
+from autockpt.costs.blocks import (
+    PerBlockPlan,
+    RepeatedBlocks,
+    block_cut_positions,
+    find_repeated_blocks,
+    per_block_plan,
+)
+from autockpt.costs.problem import Chain, StageRange, build_chain
+from autockpt.costs.profile import Profile, profile
+from autockpt.costs.record import record_trace
+from autockpt.plan import RankMemory
+from autockpt.planning.sharding import Sharding, check_units_called, rank_problem
+from solvers import ChainProblem
+from solvers.replay import MemoryTrace
+
+ProgressFn = Callable[[str], None]
+"""Called with a short description (``"profiling"``) as each planning stage begins."""
+
+
+class Phases:
+    """Wall seconds per planning phase (capture, profile, record, search, verify), and the
+    progress callback told as each begins. One phase runs at a time; starting one ends the
+    one before."""
+
+    def __init__(self, progress: ProgressFn) -> None:
+        self.progress = progress
+        self.seconds: dict[str, float] = {}
+        self._running: tuple[str, float] | None = None
+
+    def start(self, name: str, description: str) -> None:
+        self.stop()
+        self._running = (name, time.perf_counter())
+        self.progress(description)
+
+    def stop(self) -> None:
+        if self._running is not None:
+            name, started = self._running
+            self.add(name, time.perf_counter() - started)
+        self._running = None
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a planner is asked for, checked before any work: the options every phase reads."""
+
+    scope: str
+    loss_fn: LossFn | None
+    leaf_modules: tuple[str, ...]
+    """The user's leaf modules (FSDP units are added to them: :attr:`leaves`)."""
+    max_stages: int
+    sharding: Sharding
+
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        """Modules captured as single calls: the user's, then the FSDP units, which stay
+        module calls so that ``fully_shard``'s hooks fire and checkpoint segments hold
+        whole units (autockpt/planning/sharding.py)."""
+        given = self.leaf_modules
+        return given + tuple(u for u in self.sharding.units if u not in given)
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """One capture, profile, chain and recorded step of a model, for any number of budgets."""
+
+    model: nn.Module
+    inputs: Inputs
+    request: Request
+    precision: Precision
+    """The precision the step was planned in (autocast around the call, parameter dtypes)."""
+    capture: Capture
+    profile: Profile
+    chain: Chain
+    """The stage chain in the budget's scope, per rank when sharded (scope "total")."""
+    single_problem: ChainProblem
+    """The stage problem of one unsharded process (``chain.problem`` unless sharded)."""
+    trace: MemoryTrace
+    """One step's allocation events: what the replay (the one memory model) replays."""
+    rank_memory: RankMemory | None
+    blocks: RepeatedBlocks | None
+    per_block: PerBlockPlan | None
+    """Checkpointing each repeated block, on this chain (the one derivation of the
+    baseline: the search's seed, the frontier's per-block point)."""
+    planning_peak_bytes: int | None
+
+    @property
+    def per_block_segments(self) -> tuple[StageRange, ...] | None:
+        """The per-block hand plan as stage ranges, when each block is one segment of the
+        chain (None without repeated blocks)."""
+        per = self.per_block
+        return per.segments if per is not None and per.exact and per.segments else None
+
+    @property
+    def meta(self) -> bool:
+        """On the meta device tensors have shapes and no data: plans come from the graph
+        alone (cost-model times, no workspaces), and nothing is measured or verified."""
+        return self.profile.device == "meta"
+
+
+class PlanningPeak:
+    """What planning itself allocates at most (reported in the plan's notes): on CUDA the
+    device allocator's own peak over planning; elsewhere the allocator's peak while the
+    profile's probe ran (the only real tensors planning makes; the rest runs on fake
+    tensors)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device if device.type == "cuda" else None
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            torch.cuda.reset_peak_memory_stats(self.cuda)
+
+    def peak(self, prof: Profile) -> int | None:
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+            return torch.cuda.max_memory_allocated(self.cuda)
+        return prof.probe_peak_bytes
+
+
+def scope_chain(chain: Chain, scope: str, static_bytes: int) -> Chain:
+    """The stage chain as a budget of ``scope`` counts it (``autockpt.plan.scoped_bytes``
+    is the rule): for "activations", without the static part (parameters, buffers, inputs)
+    and without parameter gradients."""
+    if scope == "total":
+        return chain
+    problem = chain.problem
+    zeros = tuple(0 for _ in problem.param_grad_bytes)
+    return dataclasses.replace(
+        chain,
+        problem=dataclasses.replace(
+            problem,
+            static_bytes=problem.static_bytes - static_bytes,
+            budget_bytes=problem.budget_bytes - static_bytes,
+            param_grad_bytes=zeros,
+        ),
+    )
+
+
+def prepare(
+    model: nn.Module,
+    inputs: Inputs,
+    captured: Capture,
+    request: Request,
+    precision: Precision,
+    planning: PlanningPeak,
+    phases: Phases,
+) -> Prepared:
+    """Profile, chain, record and the per-rank terms of a captured model (phases 2-5 of the
+    module docstring), in training mode, leaving everything as found (the caller's
+    ``as_found`` block)."""
+    sharding = request.sharding
+    check_units_called(captured, sharding.units)
+    phases.start("profile", "profiling (fake tensors, then node by node on the device)")
+    prof = profile(model, captured, inputs, loss_fn=request.loss_fn)
+    blocks = find_repeated_blocks(model)
+    chain = build_chain(
+        captured, prof, max_stages=request.max_stages,
+        segment_overhead_seconds=prof.segment_overhead_seconds,
+        # every repeated block's boundaries are cuts: the per-block hand plan is
+        # always in the plan space (autockpt/costs/blocks.py)
+        required_cuts=block_cut_positions(captured, blocks),
+    )
+    chain = scope_chain(chain, request.scope, prof.static_bytes)
+    # The plan simulator: one step's allocations (fake tensors plus measured workspaces),
+    # replayed under each plan.
+    phases.start("record", "recording one step on fake tensors for the plan simulator")
+    trace = record_trace(model, captured, inputs, loss_fn=request.loss_fn, profile=prof)
+    # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not the
+    # activations: the stage model gets the per-rank terms, and each simulated
+    # single-process peak is moved to a rank by the stage model's difference.
+    single_problem = chain.problem
+    rank_memory: RankMemory | None = None
+    if sharding.active:
+        sharded, rank_memory = rank_problem(
+            chain.problem, chain.stages, captured, model, sharding,
+            parameters=prof.param_bytes, gradients=prof.param_grad_bytes,
+            buffers=prof.buffer_bytes, inputs=prof.input_bytes,
+        )
+        if request.scope == "total":  # sharding changes only what "activations" leaves out
+            chain = dataclasses.replace(chain, problem=sharded)
+    return Prepared(
+        model=model,
+        inputs=inputs,
+        request=request,
+        precision=precision,
+        capture=captured,
+        profile=prof,
+        chain=chain,
+        single_problem=single_problem,
+        trace=trace,
+        rank_memory=rank_memory,
+        blocks=blocks,
+        per_block=per_block_plan(chain, captured, blocks),
+        planning_peak_bytes=planning.peak(prof),
+    )
+
+
+def start(model: nn.Module, inputs: Inputs) -> tuple[torch.device, Precision, PlanningPeak]:
+    """What is read before capture: the device, the precision in effect (an autocast
+    context around the call is the one training runs in: autockpt/base/precision.py), and
+    the start of planning's own peak."""
+    device = device_of(model, inputs)
+    return device, Precision.now(model), PlanningPeak(device)

@@ -1,0 +1,298 @@
+"""What DDP and FSDP2 keep on each rank: the per-rank memory model a sharded plan uses.
+
+autockpt composes with ``torch.distributed``; it never replaces it. The user plans one
+rank's batch under a per-rank budget, then wraps the result the usual way::
+
+    model = autockpt.optimize(model, batch, budget_gb=70, world_size=8, sharding="fsdp")
+    for name in model.plan.fsdp_units:
+        fully_shard(model.get_submodule(name))
+    fully_shard(model)
+
+Design (and why):
+
+* **FSDP units are leaves of the capture.** FSDP2 all-gathers a unit's parameters in a
+  forward pre-hook of the unit's module and frees them in a post-hook; both fire only if the
+  unit is called as a module. Capturing each unit as one ``call_module`` node keeps it a
+  real module call in the rewritten graph, and every checkpoint segment, being a contiguous
+  range of top-level nodes, then contains whole units (one or several, plus the glue between
+  them) and never splits one. Recompute calls the unit again, so its hooks gather the
+  parameters again, exactly as FSDP2 expects of checkpointed blocks. A segment strictly
+  inside one unit is not offered: the budget's leanest plan then keeps one unit's saved
+  tensors during its backward, which the solver accounts for.
+* **The per-rank memory model changes only the static and transient terms** of the chain
+  (what sharding changes); saved activations per stage are the same on every rank because
+  ``example_inputs`` are one rank's batch.
+
+  - DDP: full parameters and gradients, plus the reducer's gradient buckets. The reducer
+    allocates flat buckets (``bucket_cap_mb``, 25 MiB by default) covering every gradient
+    when DDP is constructed, so the buckets together hold one more copy of the gradients
+    for as long as the wrapper lives (``gradient_as_bucket_view=True`` removes that copy;
+    the model here assumes the default). The all-reduce runs in place on the buckets and
+    the averaged gradients are copied back into the existing ``.grad`` tensors, so the end
+    of backward allocates nothing more. With ``broadcast_buffers`` (the default) every
+    forward starts with a flat copy of the buffers broadcast from rank 0: a transient of
+    the buffers' size on the first stage.
+  - Both: :data:`RANK_MARGIN_BYTES` (64 KiB) for the process group's own small tensors.
+  - FSDP2: each unit's parameters and gradients are sharded ``N`` ways. While a unit runs
+    (forward, recompute or backward) its parameters are all-gathered to full size, and the
+    next unit's may be prefetched, so two of the largest unit are counted for the whole
+    step. A unit's backward holds its full unsharded gradients plus a flat reduce-scatter
+    input of the same size and the sharded output. Parameters outside every unit belong to
+    the root, which FSDP2 does not reshard after forward: they are full-size for the whole
+    step, and their gradients are full-size until the reduce-scatter that ends backward.
+* **Verification runs one unsharded process.** ``optimize`` measures the rewritten model in
+  the planning process (no process group needed) and transfers what the graph profile
+  missed (measured minus predicted) to the per-rank prediction, on the assumption that
+  workspaces and autograd buffers do not depend on sharding.
+  :func:`autockpt.distributed.measure_rank` is the real per-rank truth, used by the tests
+  and ``benchmarks/distributed.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from autockpt.capture.captured import Capture
+from autockpt.costs.blocks import find_repeated_blocks
+from autockpt.errors import ShardingError
+from autockpt.plan import RankMemory
+from solvers import ChainProblem
+
+SHARDINGS = (None, "ddp", "fsdp")
+
+
+# Per-rank safety margin: the process group's own small tensors (gloo work and address
+# objects of about a kilobyte, freed on its worker threads) that no graph profile sees.
+RANK_MARGIN_BYTES = 64 * 2**10
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the planned model will be trained: ``world_size`` ranks, each running one
+    ``example_inputs`` batch, under ``mode`` (None: one process; "ddp"; "fsdp") with FSDP
+    ``units`` (qualified module names, in call order)."""
+
+    world_size: int = 1
+    mode: str | None = None
+    units: tuple[str, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return self.mode is not None
+
+
+def resolve_sharding(
+    model: nn.Module, world_size: int, sharding: str | None, fsdp_units: Iterable[str] | None
+) -> Sharding:
+    """Validate the distributed arguments of ``optimize`` and pick the FSDP units."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ShardingError(
+            f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}"
+        )
+    if sharding not in SHARDINGS:
+        raise ShardingError(f"sharding must be None, 'ddp' or 'fsdp', got {sharding!r}")
+    if fsdp_units is not None and sharding != "fsdp":
+        raise ShardingError(
+            f"fsdp_units only applies with sharding='fsdp' (got sharding={sharding!r})"
+        )
+    if sharding is None and world_size != 1:
+        raise ShardingError(
+            f"world_size={world_size} needs sharding='ddp' or 'fsdp' (how the ranks share the "
+            "model decides what each keeps)"
+        )
+    if sharding != "fsdp":
+        return Sharding(world_size, sharding, ())
+    if isinstance(fsdp_units, str):
+        raise ShardingError("fsdp_units must be a list of module names, not one string")
+    units = tuple(fsdp_units) if fsdp_units is not None else detect_units(model)
+    _check_units(model, units)
+    return Sharding(world_size, sharding, units)
+
+
+def detect_units(model: nn.Module) -> tuple[str, ...]:
+    """The repeated blocks of ``model`` (:func:`autockpt.costs.blocks.find_repeated_blocks`: every
+    instance of the block class, e.g. the transformer layers, in every ``ModuleList`` or
+    ``Sequential`` holding them: both of T5's stacks, all four layers of a torchvision
+    ResNet), the same blocks the chain keeps cuts around, in registration order. Raises
+    :class:`ShardingError` when there is none."""
+    blocks = find_repeated_blocks(model)
+    if blocks is None:
+        raise ShardingError(
+            f"found no repeated blocks (a ModuleList of same-class modules) in "
+            f"{type(model).__name__} to use as FSDP units; pass fsdp_units=[...] naming the "
+            "modules to shard one by one (or fsdp_units=[] to shard the root only)"
+        )
+    return blocks.children
+
+
+def _check_units(model: nn.Module, units: tuple[str, ...]) -> None:
+    names = dict(model.named_modules())
+    missing = [u for u in units if u not in names or u == ""]
+    if missing:
+        raise ShardingError(
+            f"fsdp_units name modules that {type(model).__name__} does not have: {missing}. "
+            "Use names from model.named_modules(), e.g. 'layers.0'."
+        )
+    if len(set(units)) != len(units):
+        raise ShardingError(f"fsdp_units lists a module twice: {list(units)}")
+    for a in units:
+        for b in units:
+            if a != b and b.startswith(f"{a}."):
+                raise ShardingError(
+                    f"fsdp_units must not contain one another: '{b}' is inside '{a}'. "
+                    "Name the innermost blocks only."
+                )
+
+
+def check_units_called(capture: Capture, units: tuple[str, ...]) -> None:
+    """Every FSDP unit must be a ``call_module`` node of the capture: its hooks gather its
+    parameters. A unit that is never called as a module (a container, or a graph captured
+    by ``torch.export``, which inlines modules) cannot be sharded behind a plan."""
+    called = {str(n.target) for n in capture.graph.nodes if n.op == "call_module"}
+    absent = [u for u in units if u not in called]
+    if absent:
+        how = (
+            "the graph was captured with torch.export, which inlines module calls, because fx "
+            "could not trace the root module"
+            if capture.method == "export"
+            else "they are not called as modules in forward (a container, or reached only "
+            "through a parent's call)"
+        )
+        raise ShardingError(
+            f"FSDP units {absent} are not module calls in the captured graph: {how}. Pass "
+            "fsdp_units naming modules that forward calls directly."
+        )
+
+
+@dataclass(frozen=True)
+class _ParamSplit:
+    """Parameter bytes of every unit and of the root (outside all units)."""
+
+    unit_bytes: dict[str, int]
+    root_bytes: int
+
+
+def _param_split(model: nn.Module, units: tuple[str, ...]) -> _ParamSplit:
+    owner: dict[int, str] = {}
+    for unit in units:
+        for p in model.get_submodule(unit).parameters():
+            owner.setdefault(id(p), unit)
+    unit_bytes = dict.fromkeys(units, 0)
+    root = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        nbytes = p.numel() * p.element_size()
+        if id(p) in owner:
+            unit_bytes[owner[id(p)]] += nbytes
+        else:
+            root += nbytes
+    return _ParamSplit(unit_bytes, root)
+
+
+def _shard(nbytes: int, world_size: int) -> int:
+    return -(-nbytes // world_size)
+
+
+def rank_problem(
+    problem: ChainProblem,
+    stages: tuple[tuple[int, int], ...],
+    capture: Capture,
+    model: nn.Module,
+    sharding: Sharding,
+    *,
+    parameters: int,
+    gradients: int,
+    buffers: int,
+    inputs: int,
+) -> tuple[ChainProblem, RankMemory]:
+    """The single-process chain ``problem`` rewritten for one rank under ``sharding``.
+
+    ``problem.static_bytes`` is the single-process static part (parameters + buffers +
+    inputs + output tail); the parameter part is replaced by what one rank
+    keeps, and the engines' buffers are added (see the module docstring), plus
+    :data:`RANK_MARGIN_BYTES` for the process group's own small tensors. Returns the
+    per-rank problem and the breakdown recorded in the plan.
+    """
+    n = sharding.world_size
+    rest = problem.static_bytes - parameters  # buffers, inputs, output tail
+    if sharding.mode == "ddp":
+        buckets = gradients
+        # broadcast_buffers (DDP's default) copies every buffer into one flat tensor at the
+        # start of each forward and broadcasts it from rank 0: a transient of the buffers'
+        # size while the first stage runs.
+        transient = list(problem.transient_bytes)
+        transient[0] += buffers
+        memory = RankMemory(
+            parameters=parameters,
+            gradients=gradients,
+            buckets=buckets,
+            gathered_parameters=0,
+            reduce_scatter=0,
+            static=parameters + buckets + buffers + inputs,
+        )
+        problem = dataclasses.replace(
+            problem,
+            static_bytes=rest + parameters + buckets + RANK_MARGIN_BYTES,
+            transient_bytes=tuple(transient),
+        )
+        return problem, memory
+
+    split = _param_split(model, sharding.units)
+    largest = max(split.unit_bytes.values(), default=0)
+    local_params = sum(_shard(b, n) for b in split.unit_bytes.values()) + _shard(
+        split.root_bytes, n
+    )
+    gathered = 2 * largest + split.root_bytes  # current + prefetched unit; the root stays full
+    nodes = capture.compute_nodes()
+    unit_of_node = {
+        i: str(node.target)
+        for i, node in enumerate(nodes)
+        if node.op == "call_module" and str(node.target) in split.unit_bytes
+    }
+    grads = list(problem.param_grad_bytes)
+    transient = list(problem.transient_bytes)
+    for k, (start, end) in enumerate(stages):
+        unit_grads = 0
+        window = 0
+        for i in range(start, end):
+            unit = unit_of_node.get(i)
+            if unit is not None:
+                size = split.unit_bytes[unit]
+                unit_grads += size
+                window = max(window, 2 * size + _shard(size, n))
+        # Unit gradients persist as shards; root gradients stay full until the end.
+        grads[k] = (
+            grads[k]
+            - unit_grads
+            + sum(
+                _shard(split.unit_bytes[unit_of_node[i]], n)
+                for i in range(start, end)
+                if i in unit_of_node
+            )
+        )
+        transient[k] += window
+    # The root's reduce-scatter ends backward: a flat copy of its gradients plus the shard.
+    transient[0] += split.root_bytes + _shard(split.root_bytes, n)
+    grads[0] += _shard(split.root_bytes, n)
+    memory = RankMemory(
+        parameters=local_params,
+        gradients=sum(_shard(b, n) for b in split.unit_bytes.values())
+        + _shard(split.root_bytes, n),
+        buckets=0,
+        gathered_parameters=gathered,
+        reduce_scatter=max(
+            [2 * b + _shard(b, n) for b in split.unit_bytes.values()]
+            + [split.root_bytes + _shard(split.root_bytes, n)]
+        ),
+        static=local_params + buffers + inputs,
+    )
+    problem = dataclasses.replace(
+        problem,
+        static_bytes=rest + local_params + gathered + RANK_MARGIN_BYTES,
+        param_grad_bytes=tuple(max(0, g) for g in grads),
+        transient_bytes=tuple(transient),
+    )
+    return problem, memory

@@ -1,0 +1,237 @@
+"""A plan applied to a model: the road from a :class:`~autockpt.plan.Plan` to the result.
+
+Plans reach the rewrite by one road, whoever made them: the planner writes a ``Plan`` and
+the rewrite reads its node names back into :class:`~autockpt.rewrite.segment.SegmentSpec`
+s (:func:`segment_specs_from_plan`); ``apply`` captures the model again, checks that its
+graph is the plan's (fingerprint, inputs) and takes the same road. An unpickled result
+comes back this way too (:func:`_rebuild`, NOTE [rewrite: rebuild on load] in
+``autockpt/rewrite/result.py``).
+
+Which module is planned is decided here too (:func:`unwrap`): a ``torch.compile`` wrapper
+is planned inside and handed back compiled, a result of ``optimize`` is planned from the
+user's module it was made from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.base.inputs import Inputs, given_input_names
+from autockpt.base.runtime import as_found, training_mode, warn_if_eval
+from autockpt.capture.captured import Capture
+from autockpt.capture.front import capture
+from autockpt.distributed import check_not_wrapped
+from autockpt.errors import AutockptError, CompileError, PlanMismatchError
+from autockpt.plan import Plan
+from autockpt.rewrite.graph import rewrite
+from autockpt.rewrite.result import (
+    _STATE,
+    inputs_like,
+    is_checkpointed,
+    plain_module,
+    planned_inputs,
+)
+from autockpt.rewrite.segment import SegmentSpec
+from autockpt.rewrite.submodule import replace_submodule, submodule_inputs
+
+
+def check_model(model: Any) -> None:
+    """A module autockpt can plan: an ``nn.Module``, not yet wrapped by DDP or FSDP."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_not_wrapped(model)
+
+
+def unwrap(model: Any) -> tuple[nn.Module, Callable[[nn.Module], nn.Module]]:
+    """The eager module to plan, and how to hand a result back to look like ``model``.
+
+    * ``torch.compile(m)`` (an ``OptimizedModule``): plan ``m``; the result is compiled with
+      the same dynamo context (backend, mode, options: what ``torch.compile`` was given).
+    * An ``optimize`` result: re-plan the user's original module (the result's graph has
+      segment calls in it, and capturing it again would plan a plan).
+    * ``m.compile()`` (compiled in place): :class:`CompileError`; its options cannot be
+      recovered, and a rewritten module would silently run uncompiled.
+    """
+    check_model(model)
+    hand_back: Callable[[nn.Module], nn.Module] = same
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # nothing is compiled without it
+    if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+        wrapper, context = type(model), model.dynamo_ctx
+        model = model._orig_mod
+
+        def hand_back(result: nn.Module) -> nn.Module:
+            return wrapper(result, context)
+
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise CompileError(
+            f"{type(model).__name__} was compiled in place with Module.compile(), whose "
+            "options autockpt cannot carry over to the rewritten module. Plan the eager "
+            "module, then compile the result: fast = autockpt.optimize(model, ...); "
+            "fast.compile(...) (or torch.compile(model) before optimize, which it keeps)"
+        )
+    if is_checkpointed(model):
+        model = plain_module(model)  # the user's class, tree and mode, without the plan
+    return model, hand_back
+
+
+def same(result: nn.Module) -> nn.Module:
+    """The hand-back of a module that came eager: the result itself."""
+    return result
+
+
+def apply_plan(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module:
+    """``autockpt.apply``: re-apply a saved plan to ``model`` without profiling or solving,
+    leaving the model, the inputs and the random generators as found."""
+    check_model(model)
+    with as_found(model, () if example_inputs is None else example_inputs):
+        return _apply(model, plan, example_inputs)
+
+
+def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
+    model, hand_back = unwrap(model)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an autockpt.Plan, got {type(plan).__name__}")
+    inputs = Inputs.of(example_inputs).as_called(model) if example_inputs is not None else None
+    if plan.submodule is not None:  # the root runs eagerly around a planned submodule
+        return hand_back(apply_inside(model, plan, inputs))
+    if plan.capture_method == "export" and inputs is None:
+        raise PlanMismatchError(
+            "this plan's graph was captured with torch.export, which needs example inputs: "
+            "call autockpt.apply(model, plan, example_inputs)"
+        )
+    method = "export" if plan.capture_method == "export" else "fx"
+    warn_if_eval(model)
+    try:
+        with training_mode(model):
+            captured = capture(
+                model, inputs or Inputs((), {}), leaf_modules=plan.leaf_modules, method=method,
+                input_names=plan.input_names,
+            )
+    except TypeError as error:
+        raise PlanMismatchError(
+            f"plan was made for {plan.model} called with ({', '.join(plan.input_names)}); this "
+            f"{type(model).__name__} cannot be called that way: {error}"
+        ) from error
+    except AutockptError as error:
+        raise PlanMismatchError(
+            f"the plan (for {plan.model}) cannot be applied: this model's graph does not "
+            f"capture the same way ({error})"
+        ) from error
+    fingerprint = captured.fingerprint()
+    if fingerprint != plan.graph_fingerprint:
+        raise PlanMismatchError(
+            f"plan was made for a different graph: plan {plan.graph_fingerprint} for model "
+            f"{plan.model} ({plan.num_nodes} nodes); this model {type(model).__name__} has "
+            f"graph {fingerprint} ({len(captured.compute_nodes())} nodes)"
+        )
+    if inputs is not None and inputs.signature() != plan.input_signature:
+        raise PlanMismatchError(
+            f"plan was made for inputs {plan.input_signature}, got {inputs.signature()}"
+        )
+    specs = segment_specs_from_plan(captured, plan)
+    # Calls are checked against the planned inputs (their shapes are in the plan).
+    planned = inputs if inputs is not None else planned_inputs(plan.input_signature)
+    result = hand_back(rewrite_for_training(model, captured, specs, planned))
+    result.plan = plan
+    return result
+
+
+def segment_specs_from_plan(captured: Capture, plan: Plan) -> list[SegmentSpec]:
+    """The plan's segments as the rewrite takes them: node names become positions in this
+    capture's compute nodes (the one road from a plan to a module, for ``optimize`` and
+    ``apply`` alike). Raises :class:`PlanMismatchError` for a name this graph lacks."""
+    index = {node.name: i for i, node in enumerate(captured.compute_nodes())}
+    specs = []
+    for seg in plan.segments:
+        if seg.first_node not in index or seg.last_node not in index:
+            raise PlanMismatchError(
+                f"plan segment {seg.first_node}..{seg.last_node} names nodes this graph lacks"
+            )
+        specs.append(SegmentSpec(
+            index[seg.first_node], index[seg.last_node] + 1, seg.preserve_rng,
+            seg.restore_buffers,
+            kept_ops=tuple((kept.node, kept.op, kept.index) for kept in seg.kept_ops),
+        ))
+    return specs
+
+
+def rewrite_for_training(
+    model: nn.Module, captured: Capture, specs: list[SegmentSpec], inputs: Inputs | None
+) -> nn.Module:
+    """``rewrite`` with the model in training mode, the mode its graph was captured in (so
+    ``result.train()`` runs the checkpointed graph); the result then takes the model's mode.
+    The result can be pickled once it holds a plan (NOTE [rewrite: rebuild on load])."""
+    training = model.training
+    with training_mode(model):
+        result = rewrite(model, captured, specs, inputs)
+    result.training = training
+    vars(result)[_STATE].rebuild = _rebuild
+    return result
+
+
+def _rebuild(plain: nn.Module, plan: Plan, captured_training: bool, on_larger_input: str) -> nn.Module:
+    """Re-apply ``plan`` to an unpickled plain model, captured in the mode it was planned
+    in (a result saved in eval mode would otherwise capture another graph), and leave every
+    module's mode as it was saved. An fx plan is re-captured from the plan alone; an export
+    plan needs example inputs, rebuilt as zeros of the planned shapes and dtypes."""
+    modes = {name: module.training for name, module in plain.named_modules()}
+    inputs = None
+    if plan.capture_method == "export":
+        parameter = next(plain.parameters(), None)
+        device = parameter.device if parameter is not None else torch.device("cpu")
+        inputs = inputs_like(plan.input_signature, device)
+    plain.train(captured_training)
+    try:
+        result = apply_plan(plain, plan, inputs)
+    finally:
+        for name, module in plain.named_modules():
+            module.training = modes[name]
+    result.training = modes[""]
+    result.on_larger_input = on_larger_input
+    return result
+
+
+def apply_inside(model: nn.Module, plan: Plan, inputs: Inputs | None) -> nn.Module:
+    """Re-apply a plan whose segments are inside ``plan.submodule``: that submodule is
+    captured again, with the inputs a prefix run of the root's forward gives it."""
+    path = plan.submodule
+    assert path is not None
+    if inputs is None:
+        raise PlanMismatchError(
+            f"this plan's segments are inside submodule '{path}', whose inputs come from "
+            "running the root's forward up to it: call autockpt.apply(model, plan, "
+            "example_inputs)"
+        )
+    if inputs.signature() != plan.input_signature:
+        raise PlanMismatchError(
+            f"plan was made for inputs {plan.input_signature}, got {inputs.signature()}"
+        )
+    try:
+        child = model.get_submodule(path)
+    except AttributeError as error:
+        raise PlanMismatchError(
+            f"the plan's segments are inside submodule '{path}', which this "
+            f"{type(model).__name__} lacks (the plan is for {plan.model})"
+        ) from error
+    found = submodule_inputs(model, path, inputs)
+    if found is None:
+        raise PlanMismatchError(
+            f"the plan's segments are inside submodule '{path}', which this "
+            f"{type(model).__name__}'s forward never calls"
+        )
+    inner = dataclasses.replace(
+        plan,
+        submodule=None,
+        model=type(child).__name__,
+        input_signature=found.signature(),
+        input_names=given_input_names(child, found),
+    )
+    result = replace_submodule(model, path, apply_plan(child, inner, found))
+    result.plan = plan
+    return result

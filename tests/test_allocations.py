@@ -1,0 +1,76 @@
+"""The one storage-identity rule (autockpt/base/allocations.py): distinct storages of the
+static part, on real, fake and meta tensors, for every consumer (profile, record, measure,
+planning inside a submodule)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autockpt.base.allocations import StorageSet, static_bytes, storage_key
+from autockpt.base.inputs import Inputs
+from autockpt.base.runtime import fake_step
+from autockpt.measure import static_bytes as measured_static_bytes
+from autockpt.planning.nested import _outside_bytes
+
+# Parameters: a.weight 64 B (tied to b.weight), a.bias 16, b.bias 16, child 32 + 8 = 136 B;
+# the buffer 12 B; the input 32 B, its row a view of it, the buffer passed in again.
+PARAMETERS, BUFFERS, INPUTS = 136, 12, 32
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+        self.register_buffer("buf", torch.zeros(3))
+        self.child = nn.Sequential(nn.Linear(4, 2))
+
+
+def _case(device: str) -> tuple[Tied, Inputs]:
+    with torch.device(device):
+        model, x = Tied(), torch.randn(2, 4)
+    return model, Inputs((x, x[0], model.buf), {})
+
+
+def _by_kind(model: nn.Module, inputs: Inputs) -> tuple[int, int, int]:
+    storages = StorageSet()  # the profile's order: parameters, then buffers, then inputs
+    return (
+        storages.add(model.parameters()),
+        storages.add(model.buffers()),
+        storages.add(inputs.tensors()),
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_ties_views_and_shared_inputs_count_once(device):
+    model, inputs = _case(device)
+    assert _by_kind(model, inputs) == (PARAMETERS, BUFFERS, INPUTS)
+    assert static_bytes(model, inputs) == PARAMETERS + BUFFERS + INPUTS
+
+
+def test_a_measured_step_holds_no_meta_bytes():
+    real, meta = _case("cpu"), _case("meta")
+    assert measured_static_bytes(*real) == PARAMETERS + BUFFERS + INPUTS
+    assert measured_static_bytes(*meta) == 0
+    assert static_bytes(*meta, skip_meta=True) == 0
+
+
+def test_fake_twins_count_like_the_real_tensors():
+    model, inputs = _case("cpu")
+    with fake_step(model, inputs) as fake_inputs:
+        assert all(storage_key(p)[0] == "fake" for p in model.parameters())
+        assert _by_kind(model, fake_inputs) == (PARAMETERS, BUFFERS, INPUTS)
+    # the real tensors again, keyed by address: a view shares its base's key
+    x = inputs.args[0]
+    assert storage_key(x) == storage_key(x[0]) != storage_key(model.buf)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_what_lies_outside_a_submodule(device):
+    model, inputs = _case(device)
+    child_inputs = Inputs((inputs.args[0][:1],), {})  # a view of the root's input
+    outside_gradients = 64 + 16 + 16  # a.weight (b.weight is the same), a.bias, b.bias
+    expected = (PARAMETERS - 40 + BUFFERS) if device == "cpu" else 0
+    assert _outside_bytes(model, inputs, "child", child_inputs) == expected + outside_gradients
