@@ -1,9 +1,9 @@
 """autockpt: place activation checkpoints so that PyTorch training fits a memory budget.
 
-    fast = autockpt.optimize(model, example_inputs, budget_gb=8.0)
-    loss_fn(fast(*example_inputs)).backward()
-    fast.plan.save("plan.json")
-    again = autockpt.apply(model, autockpt.Plan.load("plan.json"))
+fast = autockpt.optimize(model, example_inputs, budget_gb=8.0)
+loss_fn(fast(*example_inputs)).backward()
+fast.plan.save("plan.json")
+again = autockpt.apply(model, autockpt.Plan.load("plan.json"))
 """
 
 from autockpt._version import __version__

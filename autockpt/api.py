@@ -125,7 +125,10 @@ def optimize(
             fsdp_units=fsdp_units,
         )
         return planner.optimize(
-            budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=verify,
+            budget_gb=budget_gb,
+            solver=solver,
+            time_limit_s=time_limit_s,
+            verify=verify,
             selective=selective,
         )
 
@@ -245,9 +248,7 @@ class Planner:
             self._phases.start("search", "searching the leanest plan")
             self.no_checkpoint_peak_bytes = self.predict([])
             self.minimum_peak_bytes = self.search.leanest().peak_bytes
-            self.breakdown = breakdown(
-                self.profile, self.chain, scope, self.minimum_peak_bytes
-            )
+            self.breakdown = breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
             if self.rank_memory is not None and scope == "total":
                 self.breakdown = rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
             self._phases.stop()
@@ -269,7 +270,9 @@ class Planner:
         self.planning_peak_bytes = prepared.planning_peak_bytes
         self.predictor = Predictor(prepared)
         per_block = prepared.per_block_segments
-        self.search = BudgetSearch(self.chain, self.predictor, seeds=(per_block,) if per_block else ())
+        self.search = BudgetSearch(
+            self.chain, self.predictor, seeds=(per_block,) if per_block else ()
+        )
 
     def _plan_inside_submodule(self, error: TraceError, request: Request) -> None:
         self._phases.stop()  # the failed capture; the nested planners time their own phases
@@ -288,8 +291,16 @@ class Planner:
             progress=self.progress,
         )
         self.nested = SubmodulePlanner(
-            self.model, self.inputs, error, path, child_inputs, inner, scope=self.scope,
-            choose_seconds=choose_seconds, progress=self.progress, measure_step=self._measure,
+            self.model,
+            self.inputs,
+            error,
+            path,
+            child_inputs,
+            inner,
+            scope=self.scope,
+            choose_seconds=choose_seconds,
+            progress=self.progress,
+            measure_step=self._measure,
         )
         for phases in (inner.phase_seconds, self.nested.phase_seconds):
             for phase, seconds in phases.items():
@@ -354,7 +365,11 @@ class Planner:
     # -- plans ----------------------------------------------------------------------------
 
     def solve(
-        self, budget_bytes: int, *, solver: str = "auto", time_limit_s: float = 30.0,
+        self,
+        budget_bytes: int,
+        *,
+        solver: str = "auto",
+        time_limit_s: float = 30.0,
         selective: bool = True,
     ) -> Solution:
         """The least-recompute plan whose simulated peak fits ``budget_bytes``, without
@@ -410,10 +425,15 @@ class Planner:
         everything inside it."""
         budget_bytes = int(check_budget_gb(budget_gb) * GIB)
         if self.nested is not None:
-            return self._hand_back(self.nested.optimize(
-                budget_bytes, solver=solver, time_limit_s=time_limit_s, verify=verify,
-                selective=selective,
-            ))
+            return self._hand_back(
+                self.nested.optimize(
+                    budget_bytes,
+                    solver=solver,
+                    time_limit_s=time_limit_s,
+                    verify=verify,
+                    selective=selective,
+                )
+            )
 
         def attempt(underestimate: int, last_round: bool) -> Attempt[tuple[Solution, Plan]]:
             self._phases.start("search", "solving")
@@ -427,7 +447,11 @@ class Planner:
                 raise self._measured_infeasible(budget_bytes, underestimate) from error
             specs = segment_specs(self.chain, self.profile, self.capture, solution, self.trace)
             plan = make_plan(
-                self.prepared, self.predictor, solution, specs, budget_bytes,
+                self.prepared,
+                self.predictor,
+                solution,
+                specs,
+                budget_bytes,
                 minimum_peak_bytes=self.minimum_peak_bytes,
                 no_checkpoint_peak_bytes=self.no_checkpoint_peak_bytes,
             )
@@ -442,7 +466,9 @@ class Planner:
             self._phases.start("verify", "measuring the plan")
             checked = self._measure(found.result)
             solution = found.found[0]
-            return self.budgeted_bytes(checked) + self.predictor.rank_shift(solution.segments), checked
+            return self.budgeted_bytes(checked) + self.predictor.rank_shift(
+                solution.segments
+            ), checked
 
         try:
             fitted = fit_by_measuring(
@@ -474,9 +500,16 @@ class Planner:
                         f"node {i} ({self.chain.node_names[i]}) cannot be kept: it does not "
                         "call exactly one allocating, deterministic, non-mutating operator"
                     )
-        given = Solution(segments=[tuple(seg) for seg in segments], recompute_seconds=0.0,
-                         peak_bytes=0, status="feasible", method="given", solve_seconds=0.0,
-                         gap=None, kept=tuple(tuple(nodes) for nodes in kept))
+        given = Solution(
+            segments=[tuple(seg) for seg in segments],
+            recompute_seconds=0.0,
+            peak_bytes=0,
+            status="feasible",
+            method="given",
+            solve_seconds=0.0,
+            gap=None,
+            kept=tuple(tuple(nodes) for nodes in kept),
+        )
         return self._rewrite(
             segment_specs(self.chain, self.profile, self.capture, given, self.trace)
         )
@@ -505,10 +538,16 @@ class Planner:
 
     def _measured_infeasible(self, budget_bytes: int, underestimate: int) -> InfeasibleBudgetError:
         return InfeasibleBudgetError(
-            budget_bytes, max(self.minimum_peak_bytes + underestimate, budget_bytes + 1),
-            self.breakdown, self.scope,
+            budget_bytes,
+            max(self.minimum_peak_bytes + underestimate, budget_bytes + 1),
+            self.breakdown,
+            self.scope,
             f"Measured peaks ran up to {underestimate} bytes above the model's prediction, so "
             "the leanest plan needs the minimum stated."
-            + (" (Measured under the model's torch.compile, which keeps other tensors than "
-               "the eager step the prediction models.)" if self._hand_back is not same else ""),
+            + (
+                " (Measured under the model's torch.compile, which keeps other tensors than "
+                "the eager step the prediction models.)"
+                if self._hand_back is not same
+                else ""
+            ),
         )

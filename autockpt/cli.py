@@ -51,12 +51,21 @@ SOLVERS = ("auto", "dp", "ilp", "sqrt", "greedy")  # solvers.METHODS, without im
 BENCHMARKS = {
     "solvers": ("benchmarks.solvers_bench", "solve time and quality on synthetic and zoo chains"),
     "budgets": ("benchmarks.budgets", "measured peak and step time across budgets on the zoo"),
-    "e2e": ("benchmarks.e2e", "autockpt against per-block checkpointing, checkpoint_sequential, "
-            "torch.compile memory budgets and other planners"),
-    "planning": ("benchmarks.planning", "planning's own resident memory and time against the "
-                 "budget, the plan's peak and one eager step"),
-    "survey": ("benchmarks.survey", "every Hugging Face architecture built from a config: "
-               "capture path, train = eager, measured peak within budget, prediction error"),
+    "e2e": (
+        "benchmarks.e2e",
+        "autockpt against per-block checkpointing, checkpoint_sequential, "
+        "torch.compile memory budgets and other planners",
+    ),
+    "planning": (
+        "benchmarks.planning",
+        "planning's own resident memory and time against the "
+        "budget, the plan's peak and one eager step",
+    ),
+    "survey": (
+        "benchmarks.survey",
+        "every Hugging Face architecture built from a config: "
+        "capture path, train = eager, measured peak within budget, prediction error",
+    ),
 }
 
 
@@ -187,22 +196,37 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", choices=SOLVERS, default="auto")
     plan.add_argument("--scope", choices=("total", "activations"), default="total")
     plan.add_argument(
-        "--no-selective", action="store_true",
+        "--no-selective",
+        action="store_true",
         help="segments recompute everything inside them (no kept operator outputs)",
     )
     plan.add_argument(
         "--time-limit", type=_positive_float, default=30.0, help="solver time limit, seconds"
     )
     plan.add_argument("-o", "--output", default="plan.json")
-    plan.add_argument("--world-size", type=int, default=1,
-                      help="ranks; the budget and the example inputs are per rank")
-    plan.add_argument("--sharding", choices=("ddp", "fsdp"), default=None,
-                      help="distributed engine whose per-rank memory the plan counts")
-    plan.add_argument("--fsdp-units", default=None,
-                      help="comma-separated modules to fully_shard (default: repeated blocks)")
-    plan.add_argument("--meta", action="store_true",
-                      help="build the model on the meta device: plan without allocating "
-                           "(FLOP-estimated times, no measurement)")
+    plan.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="ranks; the budget and the example inputs are per rank",
+    )
+    plan.add_argument(
+        "--sharding",
+        choices=("ddp", "fsdp"),
+        default=None,
+        help="distributed engine whose per-rank memory the plan counts",
+    )
+    plan.add_argument(
+        "--fsdp-units",
+        default=None,
+        help="comma-separated modules to fully_shard (default: repeated blocks)",
+    )
+    plan.add_argument(
+        "--meta",
+        action="store_true",
+        help="build the model on the meta device: plan without allocating "
+        "(FLOP-estimated times, no measurement)",
+    )
     _common(plan, "print the plan JSON on stdout")
     plan.set_defaults(run=_plan)
 
@@ -508,10 +532,19 @@ def _plan(args: argparse.Namespace) -> int:
         model, inputs = load_spec(args.spec)
     units = None if args.fsdp_units is None else [u for u in args.fsdp_units.split(",") if u]
     with Progress.for_args(args) as progress:
-        planner = Planner(model, inputs, scope=args.scope, progress=progress.stage,
-                          world_size=args.world_size, sharding=args.sharding, fsdp_units=units)
+        planner = Planner(
+            model,
+            inputs,
+            scope=args.scope,
+            progress=progress.stage,
+            world_size=args.world_size,
+            sharding=args.sharding,
+            fsdp_units=units,
+        )
         fast = planner.optimize(
-            budget_gb=args.budget_gb, solver=args.solver, time_limit_s=args.time_limit,
+            budget_gb=args.budget_gb,
+            solver=args.solver,
+            time_limit_s=args.time_limit,
             selective=not args.no_selective,
         )
     _write(args.output, fast.plan.save, "plan")
@@ -612,8 +645,10 @@ def _verify(args: argparse.Namespace) -> int:
         checks["peak within budget"] = used <= plan.budget_bytes
     elif not args.json and not args.quiet:
         # One unsharded process is not a rank: see docs/distributed.md for per-rank checks.
-        print(f"note: the budget is per rank of {plan.world_size} under {plan.sharding}; this "
-              "process runs unsharded, so its peak is not checked against it")
+        print(
+            f"note: the budget is per rank of {plan.world_size} under {plan.sharding}; this "
+            "process runs unsharded, so its peak is not checked against it"
+        )
     ok = all(checks.values())
     if args.json:
         print(

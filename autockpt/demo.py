@@ -14,7 +14,6 @@ from torch import Tensor, nn
 __all__ = ["Block", "BlockStack", "block_stack", "seed_block_stack"]
 
 
-
 class Block(nn.Module):
     """One stage of the seed tutorial: ``Linear(n, 2n) -> ReLU -> Linear(2n, n)``."""
 

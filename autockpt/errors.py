@@ -17,8 +17,14 @@ class InfeasibleBudgetError(AutockptError):
     the message can say where the memory goes.
     """
 
-    def __init__(self, budget_bytes: int, minimum_bytes: int, breakdown: dict[str, int],
-                 scope: str = "total", hint: str | None = None) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        minimum_bytes: int,
+        breakdown: dict[str, int],
+        scope: str = "total",
+        hint: str | None = None,
+    ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.minimum_bytes = int(minimum_bytes)
         self.minimum_gb = minimum_bytes / GIB
@@ -47,8 +53,9 @@ class TraceError(AutockptError):
     (autockpt/planning/nested.py).
     """
 
-    def __init__(self, module: str, location: str, source_line: str, reason: str,
-                 in_root_code: bool = False) -> None:
+    def __init__(
+        self, module: str, location: str, source_line: str, reason: str, in_root_code: bool = False
+    ) -> None:
         self.module = module
         self.location = location
         self.source_line = source_line

@@ -122,18 +122,29 @@ class MemoryTimeline:
 
     def plan_events(self) -> list[tuple[str, int, int, float]]:
         """``(phase, stage, bytes, seconds)`` for every event of the plan, in order."""
-        durations = {"f": self.stage_forward_seconds, "r": self.stage_forward_seconds,
-                     "b": self.stage_backward_seconds}
-        return [(phase, stage, nbytes, durations[phase][stage])
-                for phase, stage, nbytes in zip(self.phases, self.stages, self.plan_bytes, strict=True)]
+        durations = {
+            "f": self.stage_forward_seconds,
+            "r": self.stage_forward_seconds,
+            "b": self.stage_backward_seconds,
+        }
+        return [
+            (phase, stage, nbytes, durations[phase][stage])
+            for phase, stage, nbytes in zip(self.phases, self.stages, self.plan_bytes, strict=True)
+        ]
 
     def no_checkpoint_events(self) -> list[tuple[str, int, int, float]]:
         """``(phase, stage, bytes, seconds)`` for every event without checkpointing."""
         num = len(self.stage_forward_seconds)
         order = [("f", k) for k in range(num)] + [("b", k) for k in range(num - 1, -1, -1)]
-        return [(phase, k, nbytes,
-                 (self.stage_forward_seconds if phase == "f" else self.stage_backward_seconds)[k])
-                for (phase, k), nbytes in zip(order, self.no_checkpoint_bytes, strict=True)]
+        return [
+            (
+                phase,
+                k,
+                nbytes,
+                (self.stage_forward_seconds if phase == "f" else self.stage_backward_seconds)[k],
+            )
+            for (phase, k), nbytes in zip(order, self.no_checkpoint_bytes, strict=True)
+        ]
 
 
 @dataclass(frozen=True)
@@ -217,8 +228,10 @@ class Plan:
         except (KeyError, TypeError, ValueError) as error:
             hint = ""
             if "unknown field" in str(error) and data.get("autockpt_version") != _library_version():
-                hint = (f"; the plan was written by autockpt {data.get('autockpt_version', '?')} "
-                        f"and may hold fields added after {_library_version()}: upgrade to read it")
+                hint = (
+                    f"; the plan was written by autockpt {data.get('autockpt_version', '?')} "
+                    f"and may hold fields added after {_library_version()}: upgrade to read it"
+                )
             raise PlanFormatError(f"plan JSON is malformed: {error}{hint}") from error
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -273,7 +286,11 @@ class Plan:
             lines.append(
                 f"per rank of {self.world_size} under {self.sharding}"
                 + (f"; {len(self.fsdp_units)} FSDP unit(s)" if self.fsdp_units else "")
-                + (f"; resident {format_bytes(self.rank_memory.static)}" if self.rank_memory else "")
+                + (
+                    f"; resident {format_bytes(self.rank_memory.static)}"
+                    if self.rank_memory
+                    else ""
+                )
             )
         for seg in self.segments:
             lines.append(
@@ -319,10 +336,16 @@ def _check_semantics(plan: Plan) -> None:
 
 
 def _check_timeline(timeline: MemoryTimeline, num_stages: int) -> None:
-    if not (len(timeline.stage_forward_seconds) == len(timeline.stage_backward_seconds) == num_stages):
-        raise ValueError(f"timeline needs forward and backward seconds for each of the {num_stages} stages")
+    if not (
+        len(timeline.stage_forward_seconds) == len(timeline.stage_backward_seconds) == num_stages
+    ):
+        raise ValueError(
+            f"timeline needs forward and backward seconds for each of the {num_stages} stages"
+        )
     if len(timeline.no_checkpoint_bytes) != 2 * num_stages:
-        raise ValueError(f"timeline.no_checkpoint_bytes needs {2 * num_stages} events (forward and backward of each stage)")
+        raise ValueError(
+            f"timeline.no_checkpoint_bytes needs {2 * num_stages} events (forward and backward of each stage)"
+        )
     if not len(timeline.phases) == len(timeline.stages) == len(timeline.plan_bytes):
         raise ValueError("timeline.phases, stages and plan_bytes must have one entry per event")
     if set(timeline.phases) - set("frb"):

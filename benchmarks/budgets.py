@@ -84,8 +84,14 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
             try:
                 fast = planner.optimize(budget_gb=budget / GIB)
             except InfeasibleBudgetError as error:
-                rows.append({"model": name, "fraction": fraction, "budget_bytes": budget,
-                             "error": str(error)})
+                rows.append(
+                    {
+                        "model": name,
+                        "fraction": fraction,
+                        "budget_bytes": budget,
+                        "error": str(error),
+                    }
+                )
                 continue
             solve_seconds = time.perf_counter() - started
             plan_peak = measure(fast, inputs, repeat=1).peak_bytes
@@ -95,33 +101,37 @@ def run(quick: bool, out_dir: Path) -> list[dict]:
                 plan_times += _step_seconds(fast, inputs, repeat)
             eager_step = statistics.median(eager_times)
             plan_step = statistics.median(plan_times)
-            rows.append({
-                "model": name,
-                "fraction": fraction,
-                "budget_bytes": budget,
-                "eager_peak_bytes": eager_peak,
-                "predicted_peak_bytes": fast.plan.predicted_peak_bytes,
-                "measured_peak_bytes": plan_peak,
-                "within_budget": plan_peak <= budget,
-                "segments": len(fast.plan.segments),
-                "solver": fast.plan.solver,
-                "solver_status": fast.plan.solver_status,
-                "eager_step_seconds": eager_step,
-                "plan_step_seconds": plan_step,
-                "step_ratio": plan_step / eager_step,
-                "memory_ratio": plan_peak / eager_peak,
-                "profile_seconds": profile_seconds,
-                "plan_seconds": solve_seconds,
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "fraction": fraction,
+                    "budget_bytes": budget,
+                    "eager_peak_bytes": eager_peak,
+                    "predicted_peak_bytes": fast.plan.predicted_peak_bytes,
+                    "measured_peak_bytes": plan_peak,
+                    "within_budget": plan_peak <= budget,
+                    "segments": len(fast.plan.segments),
+                    "solver": fast.plan.solver,
+                    "solver_status": fast.plan.solver_status,
+                    "eager_step_seconds": eager_step,
+                    "plan_step_seconds": plan_step,
+                    "step_ratio": plan_step / eager_step,
+                    "memory_ratio": plan_peak / eager_peak,
+                    "profile_seconds": profile_seconds,
+                    "plan_seconds": solve_seconds,
+                }
+            )
             print(_line(rows[-1]), flush=True)
     _write(rows, out_dir)
     return rows
 
 
 def _line(row: dict) -> str:
-    return (f"{row['model']:<22} budget {row['budget_bytes'] / 2**20:8.2f} MiB  measured "
-            f"{row['measured_peak_bytes'] / 2**20:8.2f} MiB ({100 * row['memory_ratio']:5.1f}% of eager)  "
-            f"step {row['step_ratio']:.2f}x  segments {row['segments']}")
+    return (
+        f"{row['model']:<22} budget {row['budget_bytes'] / 2**20:8.2f} MiB  measured "
+        f"{row['measured_peak_bytes'] / 2**20:8.2f} MiB ({100 * row['memory_ratio']:5.1f}% of eager)  "
+        f"step {row['step_ratio']:.2f}x  segments {row['segments']}"
+    )
 
 
 def summary_markdown(rows: list[dict]) -> str:
@@ -160,10 +170,18 @@ def _write(rows: list[dict], out_dir: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name in sorted({r["model"] for r in good}):
         mine = [r for r in good if r["model"] == name]
-        left.scatter([r["budget_bytes"] / 2**20 for r in mine],
-                     [r["measured_peak_bytes"] / 2**20 for r in mine], label=name, s=18)
-        right.plot([r["memory_ratio"] for r in mine], [r["step_ratio"] for r in mine],
-                   marker="o", label=name)
+        left.scatter(
+            [r["budget_bytes"] / 2**20 for r in mine],
+            [r["measured_peak_bytes"] / 2**20 for r in mine],
+            label=name,
+            s=18,
+        )
+        right.plot(
+            [r["memory_ratio"] for r in mine],
+            [r["step_ratio"] for r in mine],
+            marker="o",
+            label=name,
+        )
     top = max([r["budget_bytes"] / 2**20 for r in good] + [1])
     left.plot([0, top], [0, top], color="grey", linestyle="--", label="budget")
     left.set_xlabel("budget (MiB)")

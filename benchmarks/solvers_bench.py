@@ -51,8 +51,9 @@ ILP_MAX_STAGES = 200
 def uniform_chain(n: int, seed: int = 0) -> ChainProblem:
     """Identical stages: 4 MiB saved, 1 MiB in, 1 MiB workspace, 1 ms forward."""
     del seed
-    return ChainProblem([4 * MB] * n, [MB] * n, [1e-3] * n, 0, static_bytes=1 << 30,
-                        transient_bytes=[MB] * n)
+    return ChainProblem(
+        [4 * MB] * n, [MB] * n, [1e-3] * n, 0, static_bytes=1 << 30, transient_bytes=[MB] * n
+    )
 
 
 def random_chain(n: int, seed: int = 0) -> ChainProblem:
@@ -60,8 +61,11 @@ def random_chain(n: int, seed: int = 0) -> ChainProblem:
     rng = np.random.default_rng(seed)
     a = rng.integers(MB, 8 * MB, n)
     return ChainProblem(
-        (a * rng.uniform(1, 4, n)).astype(np.int64).tolist(), a.tolist(),
-        rng.uniform(0.2e-3, 2e-3, n).tolist(), 0, static_bytes=1 << 30,
+        (a * rng.uniform(1, 4, n)).astype(np.int64).tolist(),
+        a.tolist(),
+        rng.uniform(0.2e-3, 2e-3, n).tolist(),
+        0,
+        static_bytes=1 << 30,
         param_grad_bytes=rng.integers(0, MB, n).tolist(),
         transient_bytes=(a * rng.uniform(0, 1, n)).astype(np.int64).tolist(),
     )
@@ -77,10 +81,15 @@ def transformer_chain(n: int, seed: int = 0) -> ChainProblem:
     transient = (0, h, 2 * h, 0, 0, 2 * h)
     grads = (0, 3 * MB, 0, MB, 0, 8 * MB)
     block = [k % 6 for k in range(n)]
-    return ChainProblem([saved[i] for i in block], [inputs[i] for i in block],
-                        [forward[i] for i in block], 0, static_bytes=1 << 30,
-                        transient_bytes=[transient[i] for i in block],
-                        param_grad_bytes=[grads[i] for i in block])
+    return ChainProblem(
+        [saved[i] for i in block],
+        [inputs[i] for i in block],
+        [forward[i] for i in block],
+        0,
+        static_bytes=1 << 30,
+        transient_bytes=[transient[i] for i in block],
+        param_grad_bytes=[grads[i] for i in block],
+    )
 
 
 CHAINS: dict[str, Callable[[int, int], ChainProblem]] = {
@@ -91,8 +100,7 @@ CHAINS: dict[str, Callable[[int, int], ChainProblem]] = {
 
 
 def _limits(quick: bool) -> dict[str, float | None]:
-    return {"dp": None, "auto": 30.0, "ilp": 5.0 if quick else 10.0, "greedy": None,
-            "sqrt": None}
+    return {"dp": None, "auto": 30.0, "ilp": 5.0 if quick else 10.0, "greedy": None, "sqrt": None}
 
 
 def run(quick: bool, out_dir: pathlib.Path) -> list[dict]:
@@ -121,8 +129,13 @@ def _zoo_chains() -> dict[str, ChainProblem]:
     return load()
 
 
-def _bench_chain(chain_name: str, family: str, base: ChainProblem,
-                 limits: dict[str, float | None], started: float) -> list[dict]:
+def _bench_chain(
+    chain_name: str,
+    family: str,
+    base: ChainProblem,
+    limits: dict[str, float | None],
+    started: float,
+) -> list[dict]:
     """Every method at every budget fraction of one chain."""
     n = base.num_stages
     t0 = time.perf_counter()
@@ -139,15 +152,28 @@ def _bench_chain(chain_name: str, family: str, base: ChainProblem,
             cpu0 = time.process_time()
             sol = solve(problem, method, time_limit_s=limits[method])
             cpu = time.process_time() - cpu0
-            rows.append({
-                "chain": chain_name, "family": family, "stages": n,
-                "budget_fraction": fraction, "budget_bytes": problem.budget_bytes,
-                "min_peak_bytes": least, "no_checkpoint_peak_bytes": most,
-                "min_peak_seconds": min_peak_s, "method": method, "answered_by": sol.method,
-                "status": sol.status, "solve_seconds": sol.solve_seconds, "cpu_seconds": cpu,
-                "time_limit_s": limits[method], "recompute_seconds": sol.recompute_seconds,
-                "peak_bytes": sol.peak_bytes, "segments": len(sol.segments), "gap": sol.gap,
-            })
+            rows.append(
+                {
+                    "chain": chain_name,
+                    "family": family,
+                    "stages": n,
+                    "budget_fraction": fraction,
+                    "budget_bytes": problem.budget_bytes,
+                    "min_peak_bytes": least,
+                    "no_checkpoint_peak_bytes": most,
+                    "min_peak_seconds": min_peak_s,
+                    "method": method,
+                    "answered_by": sol.method,
+                    "status": sol.status,
+                    "solve_seconds": sol.solve_seconds,
+                    "cpu_seconds": cpu,
+                    "time_limit_s": limits[method],
+                    "recompute_seconds": sol.recompute_seconds,
+                    "peak_bytes": sol.peak_bytes,
+                    "segments": len(sol.segments),
+                    "gap": sol.gap,
+                }
+            )
         optimum = next(r for r in rows if r["method"] == "dp")
         for r in rows:
             r["relative_cost"] = _relative(r, optimum)
@@ -169,25 +195,37 @@ def _relative(row: dict, optimum: dict) -> float | None:
 def _progress(rows: list[dict], started: float) -> None:
     r0 = rows[0]
     times = " ".join(f"{r['method']}={r['solve_seconds']:.3f}s" for r in rows)
-    print(f"[{time.perf_counter() - started:7.1f}s] {r0['chain']:11s} n={r0['stages']:5d} "
-          f"f={r0['budget_fraction']:.2f} {times}", file=sys.stderr, flush=True)
+    print(
+        f"[{time.perf_counter() - started:7.1f}s] {r0['chain']:11s} n={r0['stages']:5d} "
+        f"f={r0['budget_fraction']:.2f} {times}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _environment(quick: bool) -> dict:
     import pulp
 
     return {
-        "quick": quick, "python": platform.python_version(), "numpy": np.__version__,
-        "pulp": pulp.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
+        "quick": quick,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "pulp": pulp.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
 
 
-def _write(records: list[dict], out_dir: pathlib.Path, quick: bool,
-           environment: dict | None = None) -> None:
-    (out_dir / "results.json").write_text(json.dumps(
-        {"environment": environment or _environment(quick), "records": records}, indent=1))
+def _write(
+    records: list[dict], out_dir: pathlib.Path, quick: bool, environment: dict | None = None
+) -> None:
+    (out_dir / "results.json").write_text(
+        json.dumps(
+            {"environment": environment or _environment(quick), "records": records}, indent=1
+        )
+    )
     with open(out_dir / "results.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(records[0]))
         writer.writeheader()
@@ -211,45 +249,64 @@ def summary_markdown(records: list[dict]) -> str:
     records = _synthetic(records)
     methods = [m for m in METHOD_ORDER if any(r["method"] == m for r in records)]
     sizes = sorted({r["stages"] for r in records})
-    lines = ["Median wall-clock solve time in seconds (over chain types and budgets; "
-             "n/a = not run):", "",
-             "| stages | " + " | ".join(methods) + " |",
-             "|---:|" + "---:|" * len(methods)]
+    lines = [
+        "Median wall-clock solve time in seconds (over chain types and budgets; n/a = not run):",
+        "",
+        "| stages | " + " | ".join(methods) + " |",
+        "|---:|" + "---:|" * len(methods),
+    ]
     for n in sizes:
         cells = []
         for m in methods:
             ts = [r["solve_seconds"] for r in records if r["stages"] == n and r["method"] == m]
             cells.append(f"{_median(ts):.3g}" if ts else "n/a")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += ["", "dp wall-clock solve time per chain type, median (max) over budgets, "
-              "seconds:", "",
-              "| stages | " + " | ".join(CHAINS) + " |", "|---:|" + "---:|" * len(CHAINS)]
+    lines += [
+        "",
+        "dp wall-clock solve time per chain type, median (max) over budgets, seconds:",
+        "",
+        "| stages | " + " | ".join(CHAINS) + " |",
+        "|---:|" + "---:|" * len(CHAINS),
+    ]
     for n in sizes:
         cells = []
         for chain in CHAINS:
-            ts = [r["solve_seconds"] for r in records
-                  if r["stages"] == n and r["method"] == "dp" and r["chain"] == chain]
+            ts = [
+                r["solve_seconds"]
+                for r in records
+                if r["stages"] == n and r["method"] == "dp" and r["chain"] == chain
+            ]
             cells.append(f"{_median(ts):.3g} ({max(ts):.3g})" if ts else "n/a")
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     ilp_rows = [r for r in records if r["method"] == "ilp"]
     if ilp_rows:
-        lines += ["", "ilp per chain type (time limit "
-                  f"{ilp_rows[0]['time_limit_s']} s): proved optimal / runs, median "
-                  "wall-clock seconds:", "",
-                  "| stages | " + " | ".join(CHAINS) + " |", "|---:|" + "---:|" * len(CHAINS)]
+        lines += [
+            "",
+            "ilp per chain type (time limit "
+            f"{ilp_rows[0]['time_limit_s']} s): proved optimal / runs, median "
+            "wall-clock seconds:",
+            "",
+            "| stages | " + " | ".join(CHAINS) + " |",
+            "|---:|" + "---:|" * len(CHAINS),
+        ]
         for n in sorted({r["stages"] for r in ilp_rows}):
             cells = []
             for chain in CHAINS:
                 rows = [r for r in ilp_rows if r["stages"] == n and r["chain"] == chain]
                 proved = sum(r["status"] == "optimal" for r in rows)
-                cells.append(f"{proved}/{len(rows)}, "
-                             f"{_median([r['solve_seconds'] for r in rows]):.3g}")
+                cells.append(
+                    f"{proved}/{len(rows)}, {_median([r['solve_seconds'] for r in rows]):.3g}"
+                )
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += ["", "Recompute time relative to dp's optimum, median (max) over chain types and "
-              "sizes; `inf` = baseline plan does not fit (its relative cost is unbounded), "
-              "shown as the share of runs that did not fit:", "",
-              "| budget fraction | " + " | ".join(methods) + " |",
-              "|---:|" + "---:|" * len(methods)]
+    lines += [
+        "",
+        "Recompute time relative to dp's optimum, median (max) over chain types and "
+        "sizes; `inf` = baseline plan does not fit (its relative cost is unbounded), "
+        "shown as the share of runs that did not fit:",
+        "",
+        "| budget fraction | " + " | ".join(methods) + " |",
+        "|---:|" + "---:|" * len(methods),
+    ]
     for fraction in FRACTIONS:
         cells = []
         for m in methods:
@@ -275,10 +332,14 @@ def summary_markdown(records: list[dict]) -> str:
 
 def _zoo_markdown(zoo: list[dict]) -> str:
     """One row per zoo chain: dp / ilp times and baseline costs over the budget fractions."""
-    lines = ["Zoo chains (profiled models), over the budget fractions: dp median time, ilp "
-             "proved / runs and median time, greedy and sqrt recompute time relative to dp "
-             "(median, max):", "",
-             "| chain | stages | dp s | ilp | greedy | sqrt |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "Zoo chains (profiled models), over the budget fractions: dp median time, ilp "
+        "proved / runs and median time, greedy and sqrt recompute time relative to dp "
+        "(median, max):",
+        "",
+        "| chain | stages | dp s | ilp | greedy | sqrt |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for chain in sorted({r["chain"] for r in zoo}):
         rows = [r for r in zoo if r["chain"] == chain]
 
@@ -292,11 +353,19 @@ def _zoo_markdown(zoo: list[dict]) -> str:
             return cell + (f" ({misses} over budget)" if misses else "")
 
         ilp = of("ilp")
-        ilp_cell = (f"{sum(r['status'] == 'optimal' for r in ilp)}/{len(ilp)}, "
-                    f"{_median([r['solve_seconds'] for r in ilp]):.3g} s") if ilp else "n/a"
+        ilp_cell = (
+            (
+                f"{sum(r['status'] == 'optimal' for r in ilp)}/{len(ilp)}, "
+                f"{_median([r['solve_seconds'] for r in ilp]):.3g} s"
+            )
+            if ilp
+            else "n/a"
+        )
         dp_s = _median([r["solve_seconds"] for r in of("dp")])
-        lines.append(f"| {chain} | {rows[0]['stages']} | {dp_s:.3g} | {ilp_cell} | "
-                     f"{rel('greedy')} | {rel('sqrt')} |")
+        lines.append(
+            f"| {chain} | {rows[0]['stages']} | {dp_s:.3g} | {ilp_cell} | "
+            f"{rel('greedy')} | {rel('sqrt')} |"
+        )
     return "\n".join(lines)
 
 
@@ -311,8 +380,10 @@ def _plot(records: list[dict], out_dir: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m in methods:
         sizes = sorted({r["stages"] for r in records if r["method"] == m})
-        med = [_median([r["solve_seconds"] for r in records
-                        if r["method"] == m and r["stages"] == n]) for n in sizes]
+        med = [
+            _median([r["solve_seconds"] for r in records if r["method"] == m and r["stages"] == n])
+            for n in sizes
+        ]
         ax.plot(sizes, med, marker="o", label=m)
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -331,10 +402,15 @@ def _plot(records: list[dict], out_dir: pathlib.Path) -> None:
         for m in methods:
             xs, ys = [], []
             for fraction in FRACTIONS:
-                rel = [r["relative_cost"] for r in records
-                       if r["chain"] == chain and r["method"] == m
-                       and r["budget_fraction"] == fraction and r["relative_cost"] is not None
-                       and math.isfinite(r["relative_cost"])]
+                rel = [
+                    r["relative_cost"]
+                    for r in records
+                    if r["chain"] == chain
+                    and r["method"] == m
+                    and r["budget_fraction"] == fraction
+                    and r["relative_cost"] is not None
+                    and math.isfinite(r["relative_cost"])
+                ]
                 if rel:
                     xs.append(fraction)
                     ys.append(_median(rel))
@@ -361,10 +437,17 @@ def rewrite(out_dir: pathlib.Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 200 stages only")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/solvers"),
-                        help="output directory (default: out/solvers)")
-    parser.add_argument("--rewrite", action="store_true",
-                        help="only regenerate tables and plots from OUT/results.json")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("out/solvers"),
+        help="output directory (default: out/solvers)",
+    )
+    parser.add_argument(
+        "--rewrite",
+        action="store_true",
+        help="only regenerate tables and plots from OUT/results.json",
+    )
     args = parser.parse_args(argv)
     records = rewrite(args.out) if args.rewrite else run(args.quick, args.out)
     print(summary_markdown(records))

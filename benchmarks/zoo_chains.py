@@ -53,8 +53,11 @@ def load(path: Path = DEFAULT_PATH) -> dict[str, ChainProblem]:
     problems = {}
     for name, fields in data.items():
         problems[name] = ChainProblem(
-            fields.pop("saved_bytes"), fields.pop("input_bytes"), fields.pop("forward_seconds"),
-            fields.pop("budget_bytes"), **fields,
+            fields.pop("saved_bytes"),
+            fields.pop("input_bytes"),
+            fields.pop("forward_seconds"),
+            fields.pop("budget_bytes"),
+            **fields,
         )
     return problems
 

@@ -48,12 +48,18 @@ class ChainArrays:
 
     def __init__(self, problem: ChainProblem) -> None:
         n = problem.num_stages
-        total = (problem.static_bytes + problem.budget_bytes + sum(problem.saved_bytes)
-                 + 3 * sum(problem.input_bytes) + sum(problem.transient_bytes)
-                 + sum(problem.param_grad_bytes))
+        total = (
+            problem.static_bytes
+            + problem.budget_bytes
+            + sum(problem.saved_bytes)
+            + 3 * sum(problem.input_bytes)
+            + sum(problem.transient_bytes)
+            + sum(problem.param_grad_bytes)
+        )
         if total >= INT_LIMIT:
             raise ValueError(
-                f"byte counts are too large for exact int64 arithmetic (total {total} >= 2**61)")
+                f"byte counts are too large for exact int64 arithmetic (total {total} >= 2**61)"
+            )
         self.problem = problem
         self.n = n
         self.static = problem.static_bytes
@@ -79,8 +85,8 @@ class ChainArrays:
         rec = np.empty(qmax - p, dtype=np.int64)
         rec[0] = self._x0[p]
         if qmax - p > 1:
-            np.maximum(self._x0[p], np.maximum.accumulate(self._xr[p + 1:qmax]), out=rec[1:])
-        rec += self._tail[p + 1:qmax + 1]
+            np.maximum(self._x0[p], np.maximum.accumulate(self._xr[p + 1 : qmax]), out=rec[1:])
+        rec += self._tail[p + 1 : qmax + 1]
         bwd = np.maximum.accumulate(self._y[p:qmax])
         out = np.maximum(rec, bwd)
         out += self.a[p] - self.cs[p]
@@ -107,9 +113,9 @@ class ChainArrays:
         local = self.local_kept.copy()
         is_start = np.ones(n, dtype=bool)
         for p, q in segments:
-            is_start[p + 1:q] = False
+            is_start[p + 1 : q] = False
             stored[p] = self.a[p]
-            stored[p + 1:q] = 0
+            stored[p + 1 : q] = 0
             local[p] = self.segment_local(p, q)
         before = np.cumsum(stored) - stored
         return int(self.static + np.max((before + local)[is_start]))
@@ -148,8 +154,9 @@ class CostScale:
         prefix[1:] = np.cumsum(f)
         overhead = round(overhead_s / tick)
         quantum = int(np.gcd.reduce(np.append(f, overhead)))
-        return cls(tick=tick, base=base, f_ticks=prefix, overhead_ticks=overhead,
-                   quantum=max(1, quantum))
+        return cls(
+            tick=tick, base=base, f_ticks=prefix, overhead_ticks=overhead, quantum=max(1, quantum)
+        )
 
     def round_up(self, ticks: np.ndarray) -> np.ndarray:
         """Lower bounds on plan costs raised to the next multiple of :attr:`quantum`.
@@ -170,4 +177,3 @@ class CostScale:
 
     def plan_key(self, segments: Sequence[tuple[int, int]]) -> int:
         return sum(int(self.segment_keys(p, q)) for p, q in segments)
-

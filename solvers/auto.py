@@ -54,8 +54,9 @@ def minimum_peak_bytes(problem: ChainProblem) -> tuple[int, Plan]:
     peak. This is the "minimum feasible budget" callers should report.
     """
     peak, fallback = _min_peak(ChainArrays(problem))
-    plan = optimal_plan(ChainArrays(problem.with_budget(peak)),
-                        CostScale.of(problem.with_budget(peak)))
+    plan = optimal_plan(
+        ChainArrays(problem.with_budget(peak)), CostScale.of(problem.with_budget(peak))
+    )
     if plan is None or simulate(problem, plan).peak_bytes != peak:  # defensive, not expected
         plan = fallback
     return peak, plan
@@ -66,8 +67,9 @@ def _min_peak(arrays: ChainArrays) -> tuple[int, Plan]:
     return arrays.static + int(best[0]), plan_from_choice(choice)
 
 
-def solve(problem: ChainProblem, method: str = "auto", time_limit_s: float | None = None
-          ) -> Solution:
+def solve(
+    problem: ChainProblem, method: str = "auto", time_limit_s: float | None = None
+) -> Solution:
     """Choose segments to checkpoint so that ``problem`` fits its budget at least cost.
 
     ``method`` is one of :data:`METHODS`. ``time_limit_s`` bounds ``auto`` (default 30 s),
@@ -158,8 +160,9 @@ def _run_ilp(problem: ChainProblem, limit: float | None, started: float) -> Solu
     return _finish_ilp(problem, arrays, incumbent, remaining, started)
 
 
-def _finish_ilp(problem: ChainProblem, arrays: ChainArrays, incumbent: Plan, remaining: float,
-                started: float) -> Solution:
+def _finish_ilp(
+    problem: ChainProblem, arrays: ChainArrays, incumbent: Plan, remaining: float, started: float
+) -> Solution:
     """Run the ILP from a fitting ``incumbent``; report the better of the two plans."""
     result = ilp_plan(arrays, time_limit_s=remaining, warm_start=incumbent)
     best, proved = incumbent, False
@@ -183,11 +186,11 @@ def _run_auto(problem: ChainProblem, limit: float | None, started: float) -> Sol
     cost = CostScale.of(problem)
     upper = None if incumbent is None else cost.plan_key(incumbent)
     try:
-        plan = optimal_plan(arrays, cost, upper_key=upper,
-                            deadline=started + _DP_SHARE * budget_s)
+        plan = optimal_plan(arrays, cost, upper_key=upper, deadline=started + _DP_SHARE * budget_s)
     except SearchTimeout as exc:
         if exc.incumbent is not None and (
-                incumbent is None or _cost(problem, exc.incumbent) < _cost(problem, incumbent)):
+            incumbent is None or _cost(problem, exc.incumbent) < _cost(problem, incumbent)
+        ):
             incumbent, source = exc.incumbent, "dp"
     else:
         if plan is not None:

@@ -37,8 +37,13 @@ import numpy as np
 from ._kernels import ChainArrays
 
 __all__ = [
-    "PrefixCostBound", "SearchTimeout", "UNREACHABLE", "check_deadline", "plan_from_choice",
-    "prefix_min_stored", "suffix_min_peaks",
+    "PrefixCostBound",
+    "SearchTimeout",
+    "UNREACHABLE",
+    "check_deadline",
+    "plan_from_choice",
+    "prefix_min_stored",
+    "suffix_min_peaks",
 ]
 
 UNREACHABLE = np.iinfo(np.int64).max // 4
@@ -70,7 +75,7 @@ def suffix_min_peaks(arrays: ChainArrays) -> tuple[np.ndarray, list[int]]:
         # local(p, q) >= cs_q - cs_p: rows past this bound cannot beat keeping.
         qmax = min(n, arrays.row_limit(p, kept - 1)) if kept > 0 else p + 1
         row = arrays.segment_row(p, qmax)
-        cand = np.maximum(row, arrays.a[p] + best[p + 1:qmax + 1])
+        cand = np.maximum(row, arrays.a[p] + best[p + 1 : qmax + 1])
         j = int(np.argmin(cand))
         if int(cand[j]) < kept:
             best[p] = cand[j]
@@ -116,7 +121,7 @@ def prefix_min_stored(arrays: ChainArrays, headroom: int) -> np.ndarray:
         qmax = min(n, arrays.row_limit(p, room))
         row = arrays.segment_row(p, qmax)
         value = base + int(arrays.a[p])
-        target = msp[p + 1:qmax + 1]
+        target = msp[p + 1 : qmax + 1]
         np.minimum(target, np.where(row <= room, value, UNREACHABLE), out=target)
     return msp
 
@@ -142,9 +147,16 @@ class PrefixCostBound:
     for the envelopes.
     """
 
-    def __init__(self, arrays: ChainArrays, f_ticks: np.ndarray, overhead_ticks: int,
-                 headroom: int, msp: np.ndarray, lams: np.ndarray,
-                 deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        arrays: ChainArrays,
+        f_ticks: np.ndarray,
+        overhead_ticks: int,
+        headroom: int,
+        msp: np.ndarray,
+        lams: np.ndarray,
+        deadline: float | None = None,
+    ) -> None:
         n = arrays.n
         lams = np.unique(np.concatenate(([0.0], np.asarray(lams, dtype=np.float64))))
         self.lams = lams
@@ -186,9 +198,15 @@ class PrefixCostBound:
         return np.geomspace(lo, hi, count)
 
     @classmethod
-    def tuned(cls, arrays: ChainArrays, f_ticks: np.ndarray, overhead_ticks: int,
-              headroom: int, msp: np.ndarray, deadline: float | None = None
-              ) -> PrefixCostBound:
+    def tuned(
+        cls,
+        arrays: ChainArrays,
+        f_ticks: np.ndarray,
+        overhead_ticks: int,
+        headroom: int,
+        msp: np.ndarray,
+        deadline: float | None = None,
+    ) -> PrefixCostBound:
         """Coarse grid (32 multipliers over the full ratio range), then 96 more within x4
         of the multiplier best for the whole chain. Measured on 1000-stage chains: a fine
         grid near that multiplier prunes as well as a 4x larger uniform grid, for a

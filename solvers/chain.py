@@ -81,7 +81,11 @@ def _as_byte_count(name: str, value: object) -> int:
         raise ValueError(f"{name} must be an integer byte count, got {value!r}")
     if isinstance(value, numbers.Integral):
         out = int(value)
-    elif isinstance(value, numbers.Real) and math.isfinite(float(value)) and float(value).is_integer():
+    elif (
+        isinstance(value, numbers.Real)
+        and math.isfinite(float(value))
+        and float(value).is_integer()
+    ):
         out = int(value)
     else:
         raise ValueError(f"{name} must be an integer byte count, got {value!r}")
@@ -146,10 +150,16 @@ class ChainProblem:
             backward = tuple(2.0 * f for f in forward)
         else:
             backward = _seconds_tuple("backward_seconds", self.backward_seconds, n)
-        grads = (0,) * n if self.param_grad_bytes is None else _byte_tuple(
-            "param_grad_bytes", self.param_grad_bytes, n)
-        transient = (0,) * n if self.transient_bytes is None else _byte_tuple(
-            "transient_bytes", self.transient_bytes, n)
+        grads = (
+            (0,) * n
+            if self.param_grad_bytes is None
+            else _byte_tuple("param_grad_bytes", self.param_grad_bytes, n)
+        )
+        transient = (
+            (0,) * n
+            if self.transient_bytes is None
+            else _byte_tuple("transient_bytes", self.transient_bytes, n)
+        )
         setattr_ = object.__setattr__
         setattr_(self, "saved_bytes", saved)
         setattr_(self, "input_bytes", inputs)
@@ -159,8 +169,11 @@ class ChainProblem:
         setattr_(self, "transient_bytes", transient)
         setattr_(self, "budget_bytes", _as_byte_count("budget_bytes", self.budget_bytes))
         setattr_(self, "static_bytes", _as_byte_count("static_bytes", self.static_bytes))
-        setattr_(self, "segment_overhead_seconds",
-                 _as_seconds("segment_overhead_seconds", self.segment_overhead_seconds))
+        setattr_(
+            self,
+            "segment_overhead_seconds",
+            _as_seconds("segment_overhead_seconds", self.segment_overhead_seconds),
+        )
 
     @property
     def num_stages(self) -> int:
@@ -207,16 +220,20 @@ def normalize_segments(segments: Iterable[Sequence[int]], num_stages: int) -> li
             start, end = seg
         except (TypeError, ValueError):
             raise ValueError(f"segment {seg!r} is not a (start, end) pair") from None
-        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (start, end)):
+        if not all(
+            isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (start, end)
+        ):
             raise ValueError(f"segment {seg!r} must contain integers")
         start, end = int(start), int(end)
         if not 0 <= start < end <= num_stages:
             raise ValueError(
-                f"segment ({start}, {end}) must satisfy 0 <= start < end <= {num_stages}")
+                f"segment ({start}, {end}) must satisfy 0 <= start < end <= {num_stages}"
+            )
         if start < prev_end:
             raise ValueError(
                 f"segments must be sorted and disjoint; ({start}, {end}) starts before "
-                f"the previous segment ends ({prev_end})")
+                f"the previous segment ends ({prev_end})"
+            )
         out.append((start, end))
         prev_end = end
     return out
@@ -278,12 +295,18 @@ def simulate(problem: ChainProblem, segments: Iterable[Sequence[int]]) -> Simula
         acc = 0
         for m in range(start, end):
             own_input = a[m] if m != start else 0
-            timeline.append(("recompute", m, base + a[start] + acc + own_input + s[m] + t[m]
-                             + a[m + 1] + waiting))
+            timeline.append(
+                (
+                    "recompute",
+                    m,
+                    base + a[start] + acc + own_input + s[m] + t[m] + a[m + 1] + waiting,
+                )
+            )
             acc += s[m]
         for m in range(end - 1, start - 1, -1):
-            timeline.append(("backward", m, base + a[start] + acc + a[m + 1] + a[m] + t[m]
-                             + g_suffix[m]))
+            timeline.append(
+                ("backward", m, base + a[start] + acc + a[m + 1] + a[m] + t[m] + g_suffix[m])
+            )
             acc -= s[m]
 
     peak_phase, peak_stage, peak = timeline[0]

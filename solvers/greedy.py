@@ -179,13 +179,13 @@ def _repair(plan: Plan, f: np.ndarray, overhead: float, fits: Callable[[Plan], b
 def _tail_fits(fits: Callable[[Plan], bool], plan: Plan, i: int, t: int) -> bool:
     """Does the plan fit when segment ``i`` keeps its last ``t`` stages instead?"""
     p, q = plan[i]
-    return fits([*plan[:i], (p, q - t), *plan[i + 1:]])
+    return fits([*plan[:i], (p, q - t), *plan[i + 1 :]])
 
 
 def _head_fits(fits: Callable[[Plan], bool], plan: Plan, i: int, t: int) -> bool:
     """Does the plan fit when segment ``i`` keeps its first ``t`` stages instead?"""
     p, q = plan[i]
-    return fits([*plan[:i], (p + t, q), *plan[i + 1:]])
+    return fits([*plan[:i], (p + t, q), *plan[i + 1 :]])
 
 
 def _largest(upper: int, ok: Callable[[int], bool]) -> int:

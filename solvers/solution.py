@@ -31,7 +31,8 @@ class InfeasibleError(ValueError):
         self.budget_bytes = budget_bytes
         budget = "the budget" if budget_bytes is None else f"the budget of {budget_bytes} bytes"
         super().__init__(
-            f"no checkpoint plan fits {budget}; the returned plan peaks at {peak_bytes} bytes")
+            f"no checkpoint plan fits {budget}; the returned plan peaks at {peak_bytes} bytes"
+        )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ from autockpt.errors import GIB  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def train_step(model: torch.nn.Module, example_inputs: Any, seed: int = 1234, loss_fn=None) -> dict[str, Any]:
+def train_step(
+    model: torch.nn.Module, example_inputs: Any, seed: int = 1234, loss_fn=None
+) -> dict[str, Any]:
     """One seeded forward + backward; returns loss, gradients and buffers by name."""
     inputs = Inputs.of(example_inputs)
     for p in model.parameters():
@@ -37,7 +39,9 @@ def train_step(model: torch.nn.Module, example_inputs: Any, seed: int = 1234, lo
     result = {
         "loss": loss.detach().clone(),
         "outputs": [t.detach().clone() for t in tensors_in(output)],
-        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+        "grads": {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        },
         "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
         "rng": torch.get_rng_state(),
     }

@@ -200,9 +200,10 @@ def test_stated_minimum_is_the_exact_minimum_over_every_expressible_plan(name):
     assert autockpt.measure(segments_only, example, repeat=1).peak_bytes <= least
     # keeping operator outputs inside segments (a heuristic on top) is never dearer
     fast = planner.optimize(budget_gb=least / GIB)
-    assert planner.solve(least).recompute_seconds <= planner.solve(
-        least, selective=False
-    ).recompute_seconds
+    assert (
+        planner.solve(least).recompute_seconds
+        <= planner.solve(least, selective=False).recompute_seconds
+    )
     assert autockpt.measure(fast, example, repeat=1).peak_bytes <= least
 
 

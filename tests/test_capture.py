@@ -89,8 +89,13 @@ class KwargsModel(nn.Module):
         super().__init__()
         self.proj = nn.Linear(WIDTH, WIDTH)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, scale: float = 2.0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        scale: float = 2.0,
+    ) -> torch.Tensor:
         h = self.proj(x) * scale
         if y is not None:
             h = h + y
@@ -169,7 +174,9 @@ def test_untraceable_submodule_becomes_a_leaf():
     cap = _capture(model, x)
     assert cap.method == "fx+leaves"
     assert cap.leaf_modules == ("router",)
-    router_nodes = [n for n in cap.compute_nodes() if n.op == "call_module" and n.target == "router"]
+    router_nodes = [
+        n for n in cap.compute_nodes() if n.op == "call_module" and n.target == "router"
+    ]
     assert len(router_nodes) == 1
     # nothing inside the router was traced through
     assert not any(str(n.target).startswith("router.") for n in cap.graph.nodes)
@@ -182,7 +189,11 @@ def test_user_leaf_modules_stay_calls():
     cap = _capture(model, x, leaf_modules=["router"])
     assert cap.method == "fx"  # nothing had to be discovered
     assert cap.leaf_modules == ("router",)
-    assert [str(n.target) for n in cap.compute_nodes() if n.op == "call_module"] == ["inp", "router", "out"]
+    assert [str(n.target) for n in cap.compute_nodes() if n.op == "call_module"] == [
+        "inp",
+        "router",
+        "out",
+    ]
 
 
 def test_missing_leaf_module_name_is_rejected():

@@ -99,7 +99,9 @@ def test_measurement_static_bytes_match():
 
 
 def test_activation_peak_bytes_is_what_lies_above_static():
-    m = Measurement(peak_bytes=3 * 2**30, static_bytes=2**30, step_seconds=0.1, device="cpu", repeat=1)
+    m = Measurement(
+        peak_bytes=3 * 2**30, static_bytes=2**30, step_seconds=0.1, device="cpu", repeat=1
+    )
     assert m.activation_peak_bytes == 2 * 2**30
     assert m.peak_gb == 3.0
 

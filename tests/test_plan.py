@@ -28,31 +28,47 @@ def plans(draw) -> Plan:
     segments = []
     for start, end in zip(cuts[::2], cuts[1::2], strict=False):
         if start < end:
-            segments.append(Segment(
-                start_stage=start, end_stage=end, first_node=draw(names), last_node=draw(names),
-                recompute_seconds=draw(seconds), bytes_freed=draw(sizes),
-                preserve_rng=draw(st.booleans()),
-                restore_buffers=tuple(draw(st.lists(names, max_size=3))),
-            ))
+            segments.append(
+                Segment(
+                    start_stage=start,
+                    end_stage=end,
+                    first_node=draw(names),
+                    last_node=draw(names),
+                    recompute_seconds=draw(seconds),
+                    bytes_freed=draw(sizes),
+                    preserve_rng=draw(st.booleans()),
+                    restore_buffers=tuple(draw(st.lists(names, max_size=3))),
+                )
+            )
     return Plan(
-        model=draw(names), graph_fingerprint=draw(names), input_signature=draw(names),
+        model=draw(names),
+        graph_fingerprint=draw(names),
+        input_signature=draw(names),
         input_names=tuple(draw(st.lists(names, max_size=3))),
         capture_method=draw(st.sampled_from(["fx", "fx+leaves", "export"])),
         leaf_modules=tuple(draw(st.lists(names, max_size=3))),
         num_nodes=draw(st.integers(num_stages, 10_000)),
         stages=tuple((draw(names), draw(names)) for _ in range(num_stages)),
-        budget_bytes=draw(st.integers(1, 2**50)), scope=draw(st.sampled_from(["total", "activations"])),
+        budget_bytes=draw(st.integers(1, 2**50)),
+        scope=draw(st.sampled_from(["total", "activations"])),
         solver=draw(st.sampled_from(["dp", "ilp", "sqrt", "greedy"])),
         solver_status=draw(st.sampled_from(["optimal", "feasible"])),
-        solve_seconds=draw(seconds), solver_gap=draw(st.none() | st.floats(0, 1)),
+        solve_seconds=draw(seconds),
+        solver_gap=draw(st.none() | st.floats(0, 1)),
         segments=tuple(segments),
-        predicted_peak_bytes=draw(sizes), no_checkpoint_peak_bytes=draw(sizes),
-        minimum_peak_bytes=draw(sizes), predicted_recompute_seconds=draw(seconds),
-        predicted_step_seconds=draw(seconds), recompute_fraction=draw(st.floats(0, 1)),
+        predicted_peak_bytes=draw(sizes),
+        no_checkpoint_peak_bytes=draw(sizes),
+        minimum_peak_bytes=draw(sizes),
+        predicted_recompute_seconds=draw(seconds),
+        predicted_step_seconds=draw(seconds),
+        recompute_fraction=draw(st.floats(0, 1)),
         memory=MemoryBreakdown(*(draw(sizes) for _ in range(6))),
-        calibration_bytes=draw(sizes), measured_peak_bytes=draw(st.none() | sizes),
-        measured_step_seconds=draw(st.none() | seconds), times_estimated=draw(st.booleans()),
-        device=draw(st.sampled_from(["cpu", "cuda:0"])), notes=tuple(draw(st.lists(names, max_size=2))),
+        calibration_bytes=draw(sizes),
+        measured_peak_bytes=draw(st.none() | sizes),
+        measured_step_seconds=draw(st.none() | seconds),
+        times_estimated=draw(st.booleans()),
+        device=draw(st.sampled_from(["cpu", "cuda:0"])),
+        notes=tuple(draw(st.lists(names, max_size=2))),
     )
 
 
@@ -78,15 +94,32 @@ def test_schema_lists_exactly_the_plan_fields():
 
 
 def _sample() -> dict:
-    return json.loads(Plan(
-        model="M", graph_fingerprint="abc", input_signature="[]", input_names=("x",),
-        capture_method="fx", leaf_modules=(), num_nodes=3, stages=(("a", "a"), ("b", "c")),
-        budget_bytes=100, scope="total", solver="dp", solver_status="optimal", solve_seconds=0.1,
-        solver_gap=0.0, segments=(Segment(0, 1, "a", "a", 0.5, 10, False),),
-        predicted_peak_bytes=90, no_checkpoint_peak_bytes=120, minimum_peak_bytes=80,
-        predicted_recompute_seconds=0.5, predicted_step_seconds=2.0, recompute_fraction=0.25,
-        memory=MemoryBreakdown(1, 2, 3, 4, 5, 6),
-    ).to_json())
+    return json.loads(
+        Plan(
+            model="M",
+            graph_fingerprint="abc",
+            input_signature="[]",
+            input_names=("x",),
+            capture_method="fx",
+            leaf_modules=(),
+            num_nodes=3,
+            stages=(("a", "a"), ("b", "c")),
+            budget_bytes=100,
+            scope="total",
+            solver="dp",
+            solver_status="optimal",
+            solve_seconds=0.1,
+            solver_gap=0.0,
+            segments=(Segment(0, 1, "a", "a", 0.5, 10, False),),
+            predicted_peak_bytes=90,
+            no_checkpoint_peak_bytes=120,
+            minimum_peak_bytes=80,
+            predicted_recompute_seconds=0.5,
+            predicted_step_seconds=2.0,
+            recompute_fraction=0.25,
+            memory=MemoryBreakdown(1, 2, 3, 4, 5, 6),
+        ).to_json()
+    )
 
 
 def test_save_and_load(tmp_path):
@@ -95,25 +128,34 @@ def test_save_and_load(tmp_path):
     assert Plan.load(tmp_path / "p.json") == plan
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "not valid JSON"),
-    ('{"schema_version": 1,', "not valid JSON"),
-    ("[1, 2]", "must be an object"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "not valid JSON"),
+        ('{"schema_version": 1,', "not valid JSON"),
+        ("[1, 2]", "must be an object"),
+    ],
+)
 def test_corrupt_text_is_a_format_error(text, message):
     with pytest.raises(PlanFormatError, match=message):
         Plan.from_json(text)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.pop("segments"), "segments is missing"),
-    (lambda d: d.update(budget_bytes="lots"), "budget_bytes must be an integer"),
-    (lambda d: d.update(surprise=1), "unknown field"),
-    (lambda d: d["segments"][0].update(preserve_rng="yes"), "preserve_rng must be true or false"),
-    (lambda d: d.update(segments=[{"start_stage": 0}]), "missing"),
-    (lambda d: d["segments"][0].update(end_stage=9), "segment"),
-    (lambda d: d.update(scope="everything"), "scope"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.pop("segments"), "segments is missing"),
+        (lambda d: d.update(budget_bytes="lots"), "budget_bytes must be an integer"),
+        (lambda d: d.update(surprise=1), "unknown field"),
+        (
+            lambda d: d["segments"][0].update(preserve_rng="yes"),
+            "preserve_rng must be true or false",
+        ),
+        (lambda d: d.update(segments=[{"start_stage": 0}]), "missing"),
+        (lambda d: d["segments"][0].update(end_stage=9), "segment"),
+        (lambda d: d.update(scope="everything"), "scope"),
+    ],
+)
 def test_invalid_fields_are_format_errors(mutate, message):
     data = _sample()
     mutate(data)
@@ -125,5 +167,8 @@ def test_other_schema_version_is_a_mismatch_naming_both_versions():
     data = _sample()
     data["schema_version"] = SCHEMA_VERSION + 1
     data["autockpt_version"] = "9.9.9"
-    with pytest.raises(PlanMismatchError, match=rf"schema_version {SCHEMA_VERSION + 1}.*9\.9\.9.*reads schema_version {SCHEMA_VERSION}"):
+    with pytest.raises(
+        PlanMismatchError,
+        match=rf"schema_version {SCHEMA_VERSION + 1}.*9\.9\.9.*reads schema_version {SCHEMA_VERSION}",
+    ):
         Plan.from_dict(data)

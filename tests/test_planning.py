@@ -27,10 +27,18 @@ def _plans(planner, kept_too: bool):
         budget = peak + (planner.no_checkpoint_peak_bytes - peak) // 5
         kept = keep_greedily(planner.search.replay_chain, segments, budget)
         assert any(kept.kept)
-        found.append(Solution(
-            segments=list(segments), recompute_seconds=0.0, peak_bytes=0, status="feasible",
-            method="given", solve_seconds=0.0, gap=None, kept=kept.kept,
-        ))
+        found.append(
+            Solution(
+                segments=list(segments),
+                recompute_seconds=0.0,
+                peak_bytes=0,
+                status="feasible",
+                method="given",
+                solve_seconds=0.0,
+                gap=None,
+                kept=kept.kept,
+            )
+        )
     return found
 
 
@@ -47,7 +55,11 @@ def test_specs_read_back_from_the_plan_equal_the_solutions(name, kept_too):
             planner.chain, planner.profile, planner.capture, solution, planner.trace
         )
         plan = make_plan(
-            planner.prepared, planner.predictor, solution, direct, 2**40,
+            planner.prepared,
+            planner.predictor,
+            solution,
+            direct,
+            2**40,
             minimum_peak_bytes=planner.minimum_peak_bytes,
             no_checkpoint_peak_bytes=planner.no_checkpoint_peak_bytes,
         )
@@ -55,7 +67,9 @@ def test_specs_read_back_from_the_plan_equal_the_solutions(name, kept_too):
         assert read_back == direct and direct, (solution.segments, solution.kept)
     rng = any(spec.preserve_rng for spec in direct)
     buffers = any(spec.restore_buffers for spec in direct)
-    assert (rng, buffers) == {"gpt": (True, False), "resnet": (False, True), "unet": (False, True)}[name]
+    assert (rng, buffers) == {"gpt": (True, False), "resnet": (False, True), "unet": (False, True)}[
+        name
+    ]
 
 
 def _attempts(predicted: int):
@@ -94,7 +108,10 @@ def test_the_loop_gives_up_after_its_rounds_with_what_it_learnt():
     attempt, calls = _attempts(predicted=100)
     with pytest.raises(ValueError, match="^85 120$"):  # 5, 25, 65, then 85 learnt
         fit_by_measuring(
-            100, attempt, _measure_each(105, 120, 140, 120), lambda u, used: ValueError(f"{u} {used}")
+            100,
+            attempt,
+            _measure_each(105, 120, 140, 120),
+            lambda u, used: ValueError(f"{u} {used}"),
         )
     assert len(calls) == VERIFY_ROUNDS and calls[-1][1] and not any(last for _, last in calls[:-1])
 

@@ -105,9 +105,7 @@ def test_shared_parameters_count_once():
 def test_mutated_buffers_are_the_batchnorm_statistics():
     model = _bn_dropout_model()
     prof = _profile(model, torch.randn(N, A))
-    assert set(prof.mutated_buffers) == {
-        "1.running_mean", "1.running_var", "1.num_batches_tracked"
-    }
+    assert set(prof.mutated_buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     model.eval()
     assert _profile(model, torch.randn(N, A)).mutated_buffers == ()
 
@@ -207,7 +205,7 @@ def test_custom_loss_runs_outside_the_profiled_graph():
     """A loss that squares the output saves the output: the model's own saved set does not
     change (the loss runs outside the graph), and the profile still completes."""
     model = _linear_relu_linear()
-    prof = _profile(model, torch.randn(N, A), loss_fn=lambda out: (out ** 2).mean())
+    prof = _profile(model, torch.randn(N, A), loss_fn=lambda out: (out**2).mean())
     assert prof.saved_bytes() == N * B * F32
 
 
@@ -263,12 +261,15 @@ def test_default_loss_upcasts_half_precision():
     assert loss.item() == 70000.0
 
 
-@pytest.mark.parametrize("output", [
-    torch.randn(3),
-    (torch.randn(3), torch.arange(4)),
-    {"logits": torch.randn(2)},
-    [],
-])
+@pytest.mark.parametrize(
+    "output",
+    [
+        torch.randn(3),
+        (torch.randn(3), torch.arange(4)),
+        {"logits": torch.randn(2)},
+        [],
+    ],
+)
 def test_default_loss_without_a_differentiable_tensor_says_to_pass_loss_fn(output):
     with pytest.raises(ValueError, match="loss_fn"):
         default_loss(output)
@@ -289,8 +290,10 @@ def test_meta_device_profile_estimates_times_from_flops_and_sees_saved_storages(
     assert first.flops == 2 * 64 * 256 * 512
     # the cost model's roofline: reads x and the output's bytes, writes the output
     traffic = 4 * (64 * 256 + 64 * 512)
-    assert first.forward_seconds == first.cost_seconds == estimated_seconds(
-        first.flops, traffic, "meta"
+    assert (
+        first.forward_seconds
+        == first.cost_seconds
+        == estimated_seconds(first.flops, traffic, "meta")
     )
     assert first.cost_seconds > first.flops / NOMINAL_RATES["meta"][0]
     assert first.backward_seconds == 2 * first.forward_seconds

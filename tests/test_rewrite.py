@@ -79,8 +79,13 @@ class TwoOutputs(nn.Module):
         self.head_a = nn.Linear(WIDTH, 3)
         self.head_b = nn.Linear(WIDTH, WIDTH)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor, scale: float = 0.5,
-                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        scale: float = 0.5,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.trunk(x))
         g = torch.sigmoid(self.mid(h * context)) * scale
         a = self.head_a(g + h)
@@ -167,8 +172,9 @@ class Case:
         """What the planner would attach to a segment over compute nodes ``[first, end)``."""
         nodes = self.capture.compute_nodes()
         random = any(self.profile.nodes[i].random for i in range(first, end))
-        return SegmentSpec(first, end, random,
-                           _buffers_used(nodes[first:end], set(self.profile.mutated_buffers)))
+        return SegmentSpec(
+            first, end, random, _buffers_used(nodes[first:end], set(self.profile.mutated_buffers))
+        )
 
 
 def _make(name: str) -> tuple[nn.Module, Any]:
@@ -188,8 +194,14 @@ def _make(name: str) -> tuple[nn.Module, Any]:
     raise KeyError(name)
 
 
-CASES = ("dropout_stack", "bn_cnn", "two_outputs", "export_bn_dropout", "leaf_router",
-         "running_center")
+CASES = (
+    "dropout_stack",
+    "bn_cnn",
+    "two_outputs",
+    "export_bn_dropout",
+    "leaf_router",
+    "running_center",
+)
 CAPTURE_METHODS = {"export_bn_dropout": "export", "leaf_router": "fx+leaves"}
 
 
@@ -235,7 +247,9 @@ def test_any_segmentation_trains_like_eager(name, data):
     every gradient, every buffer and the RNG state equal eager's from the same state."""
     case = _case(name)
     stages = case.chain.num_stages
-    labels = data.draw(st.lists(st.integers(0, 2), min_size=stages, max_size=stages), label="labels")
+    labels = data.draw(
+        st.lists(st.integers(0, 2), min_size=stages, max_size=stages), label="labels"
+    )
     specs = _segments(case, labels)
     eager = case.eager_copy()
     fast = rewrite(case.model, case.capture, specs)
@@ -278,7 +292,9 @@ def test_the_harness_notices_batchnorm_updated_twice():
     assert set(spec.restore_buffers) == set(case.profile.mutated_buffers)
     careless = rewrite(case.model, case.capture, [SegmentSpec(0, n, False, ())])
     eager, got = _step(case.eager_copy(), case), _step(careless, case)
-    assert got["buffers"]["bn1.num_batches_tracked"] == eager["buffers"]["bn1.num_batches_tracked"] + 1
+    assert (
+        got["buffers"]["bn1.num_batches_tracked"] == eager["buffers"]["bn1.num_batches_tracked"] + 1
+    )
     with pytest.raises(AssertionError):
         assert_same_step(eager, got)
 
@@ -312,8 +328,14 @@ def test_to_float64_moves_the_one_copy_and_segments_follow():
     prof = profile(model, cap, inputs, repeat=1)
     case = Case("bn_cnn", model, inputs, cap, prof, build_chain(cap, prof))
     half = case.chain.num_stages // 2
-    fast = rewrite(model, cap, [case.spec(*case.chain.node_range(0, half)),
-                                case.spec(*case.chain.node_range(half, case.chain.num_stages))])
+    fast = rewrite(
+        model,
+        cap,
+        [
+            case.spec(*case.chain.node_range(0, half)),
+            case.spec(*case.chain.node_range(half, case.chain.num_stages)),
+        ],
+    )
     eager = copy.deepcopy(model).to(torch.float64)
     assert fast.to(torch.float64) is fast
     assert all(p.dtype == torch.float64 for p in model.parameters())  # shared, not copied
@@ -328,8 +350,11 @@ def test_to_float64_moves_the_one_copy_and_segments_follow():
 @pytest.mark.parametrize("name", CASES)
 def test_deepcopy_of_the_result_is_independent_and_trains_like_eager(name):
     case = _case(name)
-    fast = rewrite(case.model, case.capture,
-                   [case.spec(*case.chain.node_range(0, case.chain.num_stages // 2 + 1))])
+    fast = rewrite(
+        case.model,
+        case.capture,
+        [case.spec(*case.chain.node_range(0, case.chain.num_stages // 2 + 1))],
+    )
     clone = copy.deepcopy(fast)
     assert all(a is not b for a, b in zip(clone.parameters(), fast.parameters(), strict=True))
     reference = case.eager_copy()
@@ -364,7 +389,9 @@ def test_no_grad_runs_segments_without_checkpoint(name, monkeypatch):
         torch.manual_seed(7)
         with torch.no_grad():
             out = module(*case.inputs.args, **case.inputs.kwargs)
-        results.append((out, {n: b.clone() for n, b in module.named_buffers()}, torch.get_rng_state()))
+        results.append(
+            (out, {n: b.clone() for n, b in module.named_buffers()}, torch.get_rng_state())
+        )
     assert calls == []
     (expected, expected_buffers, expected_rng), (got, got_buffers, got_rng) = results
     torch.testing.assert_close(got, expected)
@@ -426,14 +453,17 @@ def test_result_returns_the_same_structure_and_accepts_keywords():
     torch.testing.assert_close(fast(kwargs["x"], kwargs["context"]), expected)
 
 
-@pytest.mark.parametrize("bad", [
-    [(0, 0)],            # empty
-    [(2, 1)],            # reversed
-    [(0, 3), (2, 4)],    # overlapping
-    [(3, 4), (0, 2)],    # not sorted
-    [(0, 999)],          # past the last node
-    [(-1, 2)],           # before the first node
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [(0, 0)],  # empty
+        [(2, 1)],  # reversed
+        [(0, 3), (2, 4)],  # overlapping
+        [(3, 4), (0, 2)],  # not sorted
+        [(0, 999)],  # past the last node
+        [(-1, 2)],  # before the first node
+    ],
+)
 def test_bad_segment_specs_are_rejected(bad):
     case = _case("dropout_stack")
     with pytest.raises(ValueError, match="segments"):

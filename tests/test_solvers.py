@@ -32,8 +32,13 @@ from solvers.sqrt import sqrt_plan
 
 def tiny(budget: int = 10_000) -> ChainProblem:
     return ChainProblem(
-        [10, 20, 30], [1, 2, 3], [1.0, 2.0, 3.0], budget,
-        static_bytes=1000, transient_bytes=[4, 5, 6], param_grad_bytes=[1, 2, 3],
+        [10, 20, 30],
+        [1, 2, 3],
+        [1.0, 2.0, 3.0],
+        budget,
+        static_bytes=1000,
+        transient_bytes=[4, 5, 6],
+        param_grad_bytes=[1, 2, 3],
         segment_overhead_seconds=0.5,
     )
 
@@ -41,12 +46,12 @@ def tiny(budget: int = 10_000) -> ChainProblem:
 def test_simulate_no_segments_by_hand() -> None:
     sim = simulate(tiny(), [])
     assert sim.timeline == (
-        ("forward", 0, 1000 + 0 + 1 + 10 + 4 + 2),     # 1017
-        ("forward", 1, 1000 + 10 + 2 + 20 + 5 + 3),    # 1040
-        ("forward", 2, 1000 + 30 + 3 + 30 + 6 + 0),    # 1069
+        ("forward", 0, 1000 + 0 + 1 + 10 + 4 + 2),  # 1017
+        ("forward", 1, 1000 + 10 + 2 + 20 + 5 + 3),  # 1040
+        ("forward", 2, 1000 + 30 + 3 + 30 + 6 + 0),  # 1069
         ("backward", 2, 1000 + 30 + 30 + 0 + 3 + 6 + 3),  # 1072
         ("backward", 1, 1000 + 10 + 20 + 3 + 2 + 5 + 5),  # 1045
-        ("backward", 0, 1000 + 0 + 10 + 2 + 1 + 4 + 6),   # 1023
+        ("backward", 0, 1000 + 0 + 10 + 2 + 1 + 4 + 6),  # 1023
     )
     assert (sim.peak_bytes, sim.peak_stage, sim.peak_phase) == (1072, 2, "backward")
     assert (sim.forward_peak_bytes, sim.backward_peak_bytes) == (1069, 1072)
@@ -58,12 +63,12 @@ def test_simulate_one_segment_by_hand() -> None:
     sim = simulate(tiny(), [(1, 3)])
     assert sim.timeline == (
         ("forward", 0, 1017),
-        ("forward", 1, 1000 + 10 + 0 + 2 + 20 + 5 + 3),         # 1040: m == i holds no a_i
-        ("forward", 2, 1000 + 10 + 2 + 3 + 30 + 6 + 0),         # 1051
-        ("recompute", 1, 1010 + 2 + 0 + 0 + 20 + 5 + 3 + 0),    # 1040: waits a_3 + G(3) = 0
-        ("recompute", 2, 1010 + 2 + 20 + 3 + 30 + 6 + 0 + 0),   # 1071
-        ("backward", 2, 1010 + 2 + 50 + 0 + 3 + 6 + 3),         # 1074
-        ("backward", 1, 1010 + 2 + 20 + 3 + 2 + 5 + 5),         # 1047
+        ("forward", 1, 1000 + 10 + 0 + 2 + 20 + 5 + 3),  # 1040: m == i holds no a_i
+        ("forward", 2, 1000 + 10 + 2 + 3 + 30 + 6 + 0),  # 1051
+        ("recompute", 1, 1010 + 2 + 0 + 0 + 20 + 5 + 3 + 0),  # 1040: waits a_3 + G(3) = 0
+        ("recompute", 2, 1010 + 2 + 20 + 3 + 30 + 6 + 0 + 0),  # 1071
+        ("backward", 2, 1010 + 2 + 50 + 0 + 3 + 6 + 3),  # 1074
+        ("backward", 1, 1010 + 2 + 20 + 3 + 2 + 5 + 5),  # 1047
         ("backward", 0, 1023),
     )
     assert (sim.peak_bytes, sim.peak_stage, sim.peak_phase) == (1074, 2, "backward")
@@ -74,15 +79,15 @@ def test_simulate_one_segment_by_hand() -> None:
 def test_simulate_all_in_one_segment_by_hand() -> None:
     sim = simulate(tiny(), [(0, 3)])
     assert [e[2] for e in sim.timeline] == [
-        1000 + 0 + 1 + 10 + 4 + 2,        # forward 0: 1017
-        1000 + 1 + 2 + 20 + 5 + 3,        # forward 1: 1031
-        1000 + 1 + 3 + 30 + 6 + 0,        # forward 2: 1040
-        1000 + 1 + 0 + 0 + 10 + 4 + 2,    # recompute 0: 1017
-        1000 + 1 + 10 + 2 + 20 + 5 + 3,   # recompute 1: 1041
-        1000 + 1 + 30 + 3 + 30 + 6 + 0,   # recompute 2: 1070
-        1000 + 1 + 60 + 0 + 3 + 6 + 3,    # backward 2: 1073
-        1000 + 1 + 30 + 3 + 2 + 5 + 5,    # backward 1: 1046
-        1000 + 1 + 10 + 2 + 1 + 4 + 6,    # backward 0: 1024
+        1000 + 0 + 1 + 10 + 4 + 2,  # forward 0: 1017
+        1000 + 1 + 2 + 20 + 5 + 3,  # forward 1: 1031
+        1000 + 1 + 3 + 30 + 6 + 0,  # forward 2: 1040
+        1000 + 1 + 0 + 0 + 10 + 4 + 2,  # recompute 0: 1017
+        1000 + 1 + 10 + 2 + 20 + 5 + 3,  # recompute 1: 1041
+        1000 + 1 + 30 + 3 + 30 + 6 + 0,  # recompute 2: 1070
+        1000 + 1 + 60 + 0 + 3 + 6 + 3,  # backward 2: 1073
+        1000 + 1 + 30 + 3 + 2 + 5 + 5,  # backward 1: 1046
+        1000 + 1 + 10 + 2 + 1 + 4 + 6,  # backward 0: 1024
     ]
     assert [e[0] for e in sim.timeline] == ["forward"] * 3 + ["recompute"] * 3 + ["backward"] * 3
     assert [e[1] for e in sim.timeline] == [0, 1, 2, 0, 1, 2, 2, 1, 0]
@@ -96,12 +101,12 @@ def test_simulate_segment_waits_for_output_gradient_by_hand() -> None:
     assert sim.timeline == (
         ("forward", 0, 1017),
         ("forward", 1, 1031),
-        ("forward", 2, 1000 + 1 + 3 + 30 + 6 + 0),             # 1040: before(2) = a_0
-        ("backward", 2, 1000 + 1 + 30 + 0 + 3 + 6 + 3),        # 1043
-        ("recompute", 0, 1000 + 1 + 0 + 0 + 10 + 4 + 2 + 6),   # 1023
+        ("forward", 2, 1000 + 1 + 3 + 30 + 6 + 0),  # 1040: before(2) = a_0
+        ("backward", 2, 1000 + 1 + 30 + 0 + 3 + 6 + 3),  # 1043
+        ("recompute", 0, 1000 + 1 + 0 + 0 + 10 + 4 + 2 + 6),  # 1023
         ("recompute", 1, 1000 + 1 + 10 + 2 + 20 + 5 + 3 + 6),  # 1047
-        ("backward", 1, 1000 + 1 + 30 + 3 + 2 + 5 + 5),        # 1046
-        ("backward", 0, 1000 + 1 + 10 + 2 + 1 + 4 + 6),        # 1024
+        ("backward", 1, 1000 + 1 + 30 + 3 + 2 + 5 + 5),  # 1046
+        ("backward", 0, 1000 + 1 + 10 + 2 + 1 + 4 + 6),  # 1024
     )
     assert (sim.peak_bytes, sim.peak_stage, sim.peak_phase) == (1047, 1, "recompute")
     assert (sim.forward_peak_bytes, sim.backward_peak_bytes) == (1040, 1047)
@@ -117,8 +122,17 @@ def test_simulate_peak_is_first_event_reaching_it() -> None:
 
 def test_simulate_validates_segments() -> None:
     p = tiny()
-    for bad in ([(2, 1)], [(1, 1)], [(0, 4)], [(-1, 2)], [(1, 3), (0, 1)], [(0, 2), (1, 3)],
-                [(0,)], [("a", 2)], [(0.0, 2)]):
+    for bad in (
+        [(2, 1)],
+        [(1, 1)],
+        [(0, 4)],
+        [(-1, 2)],
+        [(1, 3), (0, 1)],
+        [(0, 2), (1, 3)],
+        [(0,)],
+        [("a", 2)],
+        [(0.0, 2)],
+    ):
         with pytest.raises(ValueError):
             simulate(p, bad)
     assert simulate(p, [(0, 1), (1, 3)]).peak_bytes > 0  # touching segments are fine
@@ -177,8 +191,10 @@ def test_public_types() -> None:
 
 
 def test_package_never_imports_torch() -> None:
-    code = ("import sys, solvers, solvers.dp, solvers.ilp, solvers.greedy, solvers.sqrt; "
-            "sys.exit('torch' in sys.modules)")
+    code = (
+        "import sys, solvers, solvers.dp, solvers.ilp, solvers.greedy, solvers.sqrt; "
+        "sys.exit('torch' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -203,6 +219,7 @@ def test_sqrt_and_chen_shapes() -> None:
 @cache
 def all_plans(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Every set of sorted, disjoint, non-empty segments of ``0 .. n-1``."""
+
     def rec(p: int):
         if p == n:
             yield ()
@@ -211,6 +228,7 @@ def all_plans(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
         for q in range(p + 1, n + 1):
             for rest in rec(q):
                 yield ((p, q), *rest)
+
     return tuple(rec(0))
 
 
@@ -250,8 +268,11 @@ def draw_budget(data, table) -> int:
     return data.draw(st.integers(peaks[0], peaks[-1] + 1))
 
 
-SETTINGS = settings(max_examples=150, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def assert_consistent(problem: ChainProblem, sol: Solution) -> Simulation:
@@ -284,9 +305,12 @@ def test_dp_equals_brute_force(problem: ChainProblem, data) -> None:
     assert sol.status == "optimal" and sol.method == "dp"
     assert math.isclose(sol.recompute_seconds, optimum, rel_tol=1e-12, abs_tol=1e-12)
     # Tie-break: fewest segments among the cheapest fitting plans, then lowest peak.
-    cheapest = [(len(plan), sim.peak_bytes) for plan, sim in table
-                if sim.peak_bytes <= problem.budget_bytes
-                and math.isclose(sim.recompute_seconds, optimum, rel_tol=1e-12, abs_tol=1e-12)]
+    cheapest = [
+        (len(plan), sim.peak_bytes)
+        for plan, sim in table
+        if sim.peak_bytes <= problem.budget_bytes
+        and math.isclose(sim.recompute_seconds, optimum, rel_tol=1e-12, abs_tol=1e-12)
+    ]
     assert (len(sol.segments), sol.peak_bytes) == min(cheapest)
     assert solve(problem, "dp").segments == sol.segments  # deterministic
 
@@ -321,8 +345,9 @@ def test_ilp_equals_dp_when_it_claims_optimal(problem: ChainProblem, data) -> No
     assert_consistent(problem, sol)
     assert sol.feasible == exact.feasible
     if sol.status == "optimal":
-        assert math.isclose(sol.recompute_seconds, exact.recompute_seconds,
-                            rel_tol=1e-9, abs_tol=1e-12)
+        assert math.isclose(
+            sol.recompute_seconds, exact.recompute_seconds, rel_tol=1e-9, abs_tol=1e-12
+        )
     elif sol.status == "feasible":
         assert sol.recompute_seconds >= exact.recompute_seconds - 1e-12
 
@@ -336,8 +361,12 @@ def test_minimum_peak_equals_brute_force(problem: ChainProblem) -> None:
     assert peak == least
     assert simulate(problem, plan).peak_bytes == least
     # The plan is the cheapest among minimum-peak plans.
-    assert math.isclose(simulate(problem, plan).recompute_seconds,
-                        best_cost(table, least), rel_tol=1e-12, abs_tol=1e-12)
+    assert math.isclose(
+        simulate(problem, plan).recompute_seconds,
+        best_cost(table, least),
+        rel_tol=1e-12,
+        abs_tol=1e-12,
+    )
     assert solve(problem.with_budget(least), "dp").status == "optimal"
     if least > 0:
         below = solve(problem.with_budget(least - 1), "auto")
@@ -361,8 +390,11 @@ def random_chain(n: int, seed: int = 0) -> ChainProblem:
     rng = np.random.default_rng(seed)
     a = rng.integers(1 << 20, 8 << 20, n)
     return ChainProblem(
-        (a * rng.uniform(1, 4, n)).astype(np.int64).tolist(), a.tolist(),
-        rng.uniform(0.2e-3, 2e-3, n).tolist(), 0, static_bytes=1 << 30,
+        (a * rng.uniform(1, 4, n)).astype(np.int64).tolist(),
+        a.tolist(),
+        rng.uniform(0.2e-3, 2e-3, n).tolist(),
+        0,
+        static_bytes=1 << 30,
         param_grad_bytes=rng.integers(0, 1 << 20, n).tolist(),
         transient_bytes=(a * rng.uniform(0, 1, n)).astype(np.int64).tolist(),
     )

@@ -33,7 +33,8 @@ def default_loss(output: Any) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss
     tensors = [
-        t for t in pytree.tree_leaves(_as_pytree(output))
+        t
+        for t in pytree.tree_leaves(_as_pytree(output))
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
     ]
     if not tensors:

@@ -151,7 +151,8 @@ def _value_reads(exported: Any) -> int:
     """How many nodes of an exported graph read a tensor's value into Python."""
     reads = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
     return sum(
-        1 for node in exported.graph_module.graph.nodes
+        1
+        for node in exported.graph_module.graph.nodes
         if node.op == "call_function" and node.target in reads
     )
 
@@ -490,9 +491,7 @@ def _not_kept(found: list[Any], opening: str, closing: str, in_root: bool) -> Tr
     between ``opening`` and ``closing``, located at the first one."""
     first = found[0]
     reason = opening + "; ".join(s.describe() for s in found) + closing
-    return TraceError(
-        first.module, first.location, first.source_line, reason, in_root_code=in_root
-    )
+    return TraceError(first.module, first.location, first.source_line, reason, in_root_code=in_root)
 
 
 INPUT_CHECK = "_autockpt_check_inputs"

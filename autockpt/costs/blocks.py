@@ -162,7 +162,7 @@ def block_cut_positions(capture: Capture, blocks: RepeatedBlocks | None) -> tupl
 
 @dataclass(frozen=True)
 class PerBlockPlan:
-    """"Checkpoint each repeated block", as stage ranges of a chain: the hand-written
+    """ "Checkpoint each repeated block", as stage ranges of a chain: the hand-written
     baseline most code uses, priced and drawn beside autockpt's plans, and a seed of the
     search. ``exact``: each block is exactly one segment (the chain cuts at every block
     boundary, as it does when built with :func:`block_cut_positions` as required cuts)."""

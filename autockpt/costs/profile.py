@@ -199,7 +199,13 @@ def profile(
             if estimate_times
             else _worst_case_probe(
                 structure.worst_case_draws > 0,
-                model, capture, inputs, loss_fn, index_of, structure, max(1, repeat),
+                model,
+                capture,
+                inputs,
+                loss_fn,
+                index_of,
+                structure,
+                max(1, repeat),
             )
         )
     costs = [

@@ -473,12 +473,16 @@ def _record(
         windows.append(Window(FORWARD, i))
         tracker.window = len(windows) - 1
 
-    def on_pack(i: int) -> None:  # NOTE [record: early stop]: events so far precede node i's latest save
+    def on_pack(
+        i: int,
+    ) -> None:  # NOTE [record: early stop]: events so far precede node i's latest save
         last_pack[i] = len(tracker.events)
 
     runner.on_node = on_node
     runner.on_pack = on_pack
-    stand_ins: dict[int, int] = {}  # allocation a backward got instead -> the saved one (NOTE [record: saved tensor release])
+    stand_ins: dict[
+        int, int
+    ] = {}  # allocation a backward got instead -> the saved one (NOTE [record: saved tensor release])
 
     def on_unpack(t: torch.Tensor) -> torch.Tensor:
         a = tracker.key(t)
@@ -496,7 +500,9 @@ def _record(
         node = seq_owner.get(seq)
         if node is None:
             return None
-        converting = seq in conversions  # a window of its own, without workspace (NOTE [record: autocast cache])
+        converting = (
+            seq in conversions
+        )  # a window of its own, without workspace (NOTE [record: autocast cache])
         last = len(windows) - 1
         if windows[-1] != Window(BACKWARD, node) or (last in conversion_windows) != converting:
             windows.append(Window(BACKWARD, node))

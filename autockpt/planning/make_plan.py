@@ -35,7 +35,11 @@ def make_plan(
     """The plan's record of ``solution`` (its segments as ``specs`` translate them,
     ``autockpt/planning/specs.py``), not yet measured."""
     model, captured, inputs, prof, chain = (
-        prepared.model, prepared.capture, prepared.inputs, prepared.profile, prepared.chain
+        prepared.model,
+        prepared.capture,
+        prepared.inputs,
+        prepared.profile,
+        prepared.chain,
     )
     sharding = prepared.request.sharding
     problem = chain.problem
@@ -45,17 +49,19 @@ def make_plan(
     segments = []
     for (start, end), spec, kept in zip(solution.segments, specs, kept_per_segment, strict=True):
         saved = sum(problem.saved_bytes[start:end])
-        segments.append(Segment(
-            start_stage=start,
-            end_stage=end,
-            first_node=names[spec.first],
-            last_node=names[spec.end - 1],
-            recompute_seconds=predictor.recompute_seconds([(start, end)], [kept]),
-            bytes_freed=saved - problem.input_bytes[start],
-            preserve_rng=spec.preserve_rng,
-            restore_buffers=spec.restore_buffers,
-            kept_ops=tuple(KeptOp(*call) for call in spec.kept_ops),
-        ))
+        segments.append(
+            Segment(
+                start_stage=start,
+                end_stage=end,
+                first_node=names[spec.first],
+                last_node=names[spec.end - 1],
+                recompute_seconds=predictor.recompute_seconds([(start, end)], [kept]),
+                bytes_freed=saved - problem.input_bytes[start],
+                preserve_rng=spec.preserve_rng,
+                restore_buffers=spec.restore_buffers,
+                kept_ops=tuple(KeptOp(*call) for call in spec.kept_ops),
+            )
+        )
     in_segment = {k for start, end in solution.segments for k in range(start, end)}
     kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
     kept += sum(problem.input_bytes[start] for start, _ in solution.segments)
@@ -145,8 +151,9 @@ def _notes(
         notes.append(f"planning peak: {prepared.planning_peak_bytes} bytes (allocator)")
     if sharding.active and checked is not None:
         # The measured step ran unsharded in this process: not a per-rank number.
-        single = (predictor.predict(solution.segments, solution.kept)
-                  - predictor.rank_shift(solution.segments))
+        single = predictor.predict(solution.segments, solution.kept) - predictor.rank_shift(
+            solution.segments
+        )
         notes.append(
             f"verified on one unsharded process: measured peak {checked.peak_bytes} bytes "
             f"against a predicted {single}"

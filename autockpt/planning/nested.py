@@ -53,8 +53,6 @@ _MAX_CANDIDATES = 8
 """Submodules tried (each a prefix run and a capture) before giving up."""
 
 
-
-
 class SubmodulePlanner:
     """Plan ``model`` inside the submodule at ``path`` (:func:`choose_submodule` chose it)
     for any budget of the whole step.
@@ -130,13 +128,21 @@ class SubmodulePlanner:
         while int(budget_gb * GIB) < child_budget:  # float GiB must not round bytes down
             budget_gb = math.nextafter(budget_gb, math.inf)
         child = self.inner.optimize(
-            budget_gb=budget_gb, solver=solver, time_limit_s=time_limit_s, verify=False,
+            budget_gb=budget_gb,
+            solver=solver,
+            time_limit_s=time_limit_s,
+            verify=False,
             selective=selective,
         )
         return replace_submodule(self.model, self.path, child), child.plan
 
     def optimize(
-        self, budget_bytes: int, *, solver: str, time_limit_s: float, verify: bool,
+        self,
+        budget_bytes: int,
+        *,
+        solver: str,
+        time_limit_s: float,
+        verify: bool,
         selective: bool = True,
     ) -> nn.Module:
         """Plan the submodule so that the root's whole step fits ``budget_bytes`` (in the
@@ -150,9 +156,7 @@ class SubmodulePlanner:
             child_budget = budget_bytes + self.static_bytes - self.outside_bytes - underestimate
             if last_round:
                 child_budget = leanest
-            result, plan = self._solve(
-                max(child_budget, leanest), solver, time_limit_s, selective
-            )
+            result, plan = self._solve(max(child_budget, leanest), solver, time_limit_s, selective)
             return Attempt(result, plan, self._scoped(plan.predicted_peak_bytes))
 
         def measure(found: Attempt[Plan]) -> tuple[int, Measurement]:
@@ -163,9 +167,7 @@ class SubmodulePlanner:
             # the leanest plan measured more than when planning began
             return self._infeasible(budget_bytes, max(used, budget_bytes + 1))
 
-        fitted = fit_by_measuring(
-            budget_bytes, attempt, measure if verify else None, out_of_reach
-        )
+        fitted = fit_by_measuring(budget_bytes, attempt, measure if verify else None, out_of_reach)
         result = fitted.attempt.result
         result.plan = self._plan(fitted.attempt.found, budget_bytes, fitted.measurement)
         return result

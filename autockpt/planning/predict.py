@@ -85,7 +85,9 @@ class Predictor:
         stage ranges (and, per range, the compute nodes kept inside it: selective
         recompute): the plan simulator's replay of the recorded step."""
         node_ranges, stash = self.node_ranges(segments)
-        simulated = replay.simulate(self.prepared.trace, node_ranges, stash, kept or None).peak_bytes
+        simulated = replay.simulate(
+            self.prepared.trace, node_ranges, stash, kept or None
+        ).peak_bytes
         return self.scoped(simulated, segments)
 
     def recompute_seconds(
@@ -112,7 +114,8 @@ class Predictor:
         simulation with its peak replaced by :meth:`predict`'s and its recompute seconds by
         :meth:`recompute_seconds`'."""
         return dataclasses.replace(
-            simulate(self.prepared.chain.problem, segments), peak_bytes=self.predict(segments),
+            simulate(self.prepared.chain.problem, segments),
+            peak_bytes=self.predict(segments),
             recompute_seconds=self.recompute_seconds(segments),
         )
 
@@ -126,8 +129,12 @@ class Predictor:
         chain, trace = self.prepared.chain, self.prepared.trace
         problem = chain.problem
         node_ranges, stash = self.node_ranges(segments)
-        stage_of = {i: k for k, (first, stop) in enumerate(chain.stages) for i in range(first, stop)}
-        segment_stages = {chain.node_range(start, end)[0]: range(start, end) for start, end in segments}
+        stage_of = {
+            i: k for k, (first, stop) in enumerate(chain.stages) for i in range(first, stop)
+        }
+        segment_stages = {
+            chain.node_range(start, end)[0]: range(start, end) for start, end in segments
+        }
         last = chain.num_stages - 1
 
         def fold(

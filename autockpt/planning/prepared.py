@@ -194,7 +194,9 @@ def prepare(
     prof = profile(model, captured, inputs, loss_fn=request.loss_fn)
     blocks = find_repeated_blocks(model)
     chain = build_chain(
-        captured, prof, max_stages=request.max_stages,
+        captured,
+        prof,
+        max_stages=request.max_stages,
         segment_overhead_seconds=prof.segment_overhead_seconds,
         # every repeated block's boundaries are cuts: the per-block hand plan is
         # always in the plan space (autockpt/costs/blocks.py)
@@ -212,9 +214,15 @@ def prepare(
     rank_memory: RankMemory | None = None
     if sharding.active:
         sharded, rank_memory = rank_problem(
-            chain.problem, chain.stages, captured, model, sharding,
-            parameters=prof.param_bytes, gradients=prof.param_grad_bytes,
-            buffers=prof.buffer_bytes, inputs=prof.input_bytes,
+            chain.problem,
+            chain.stages,
+            captured,
+            model,
+            sharding,
+            parameters=prof.param_bytes,
+            gradients=prof.param_grad_bytes,
+            buffers=prof.buffer_bytes,
+            inputs=prof.input_bytes,
         )
         if request.scope == "total":  # sharding changes only what "activations" leaves out
             chain = dataclasses.replace(chain, problem=sharded)

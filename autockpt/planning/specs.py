@@ -41,12 +41,18 @@ def segment_specs(
     for (start, end), kept in zip(solution.segments, kept_per_segment, strict=True):
         first, stop = chain.node_range(start, end)
         random = any(prof.nodes[i].random for i in range(first, stop))
-        specs.append(SegmentSpec(
-            first, stop, random, buffers_used(nodes[first:stop], mutated),
-            kept_ops=tuple(
-                (nodes[i].name, op, index) for i, op, index in kept_calls(trace, first, stop, kept)
-            ),
-        ))
+        specs.append(
+            SegmentSpec(
+                first,
+                stop,
+                random,
+                buffers_used(nodes[first:stop], mutated),
+                kept_ops=tuple(
+                    (nodes[i].name, op, index)
+                    for i, op, index in kept_calls(trace, first, stop, kept)
+                ),
+            )
+        )
     return specs
 
 

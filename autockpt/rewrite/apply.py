@@ -110,7 +110,10 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     try:
         with training_mode(model):
             captured = capture(
-                model, inputs or Inputs((), {}), leaf_modules=plan.leaf_modules, method=method,
+                model,
+                inputs or Inputs((), {}),
+                leaf_modules=plan.leaf_modules,
+                method=method,
                 input_names=plan.input_names,
             )
     except TypeError as error:
@@ -153,11 +156,15 @@ def segment_specs_from_plan(captured: Capture, plan: Plan) -> list[SegmentSpec]:
             raise PlanMismatchError(
                 f"plan segment {seg.first_node}..{seg.last_node} names nodes this graph lacks"
             )
-        specs.append(SegmentSpec(
-            index[seg.first_node], index[seg.last_node] + 1, seg.preserve_rng,
-            seg.restore_buffers,
-            kept_ops=tuple((kept.node, kept.op, kept.index) for kept in seg.kept_ops),
-        ))
+        specs.append(
+            SegmentSpec(
+                index[seg.first_node],
+                index[seg.last_node] + 1,
+                seg.preserve_rng,
+                seg.restore_buffers,
+                kept_ops=tuple((kept.node, kept.op, kept.index) for kept in seg.kept_ops),
+            )
+        )
     return specs
 
 
@@ -175,7 +182,9 @@ def rewrite_for_training(
     return result
 
 
-def _rebuild(plain: nn.Module, plan: Plan, captured_training: bool, on_larger_input: str) -> nn.Module:
+def _rebuild(
+    plain: nn.Module, plan: Plan, captured_training: bool, on_larger_input: str
+) -> nn.Module:
     """Re-apply ``plan`` to an unpickled plain model, captured in the mode it was planned
     in (a result saved in eval mode would otherwise capture another graph), and leave every
     module's mode as it was saved. An fx plan is re-captured from the plan alone; an export

@@ -40,7 +40,9 @@ SEGMENT_PREFIX = "_autockpt_segment_"
 
 
 def rewrite(
-    model: nn.Module, capture: Capture, segments: Sequence[SegmentSpec],
+    model: nn.Module,
+    capture: Capture,
+    segments: Sequence[SegmentSpec],
     inputs: Inputs | None = None,
 ) -> nn.Module:
     """The user's model back, checkpointing ``segments`` (sorted, disjoint node ranges).
@@ -123,8 +125,12 @@ def rewrite(
 
 
 def _emit_segment(
-    lookup: Callable[[str], Any], graph: fx.Graph, env: dict[fx.Node, fx.Node],
-    nodes: list[fx.Node], spec: SegmentSpec, name: str,
+    lookup: Callable[[str], Any],
+    graph: fx.Graph,
+    env: dict[fx.Node, fx.Node],
+    nodes: list[fx.Node],
+    spec: SegmentSpec,
+    name: str,
 ) -> CheckpointSegment:
     """Add one segment's call to ``graph`` and return the module that runs it."""
     inside = nodes[spec.first : spec.end]
@@ -196,7 +202,8 @@ def _compile(lookup: Callable[[str], Any], graph: fx.Graph) -> Callable[..., Any
     """
     targets = {
         node.target: lookup(node.target)
-        for node in graph.nodes if node.op in ("get_attr", "call_module")
+        for node in graph.nodes
+        if node.op in ("get_attr", "call_module")
     }
     return _code(targets, graph)
 

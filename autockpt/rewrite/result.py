@@ -82,7 +82,8 @@ class CallShape:
 
     def describe(self) -> str:
         return ", ".join(
-            name + "".join(
+            name
+            + "".join(
                 f" {list(shape)}:{str(dtype).removeprefix('torch.')}" for shape, dtype in tensors
             )
             for name, tensors in zip(self.names, self.tensors, strict=True)
@@ -160,7 +161,9 @@ def _checkpointed_class(base: type) -> type:
     ``_get_name()``), and a renamed class would be saved, or trained, as another model."""
     cls = _CLASSES.get(base)
     if cls is None:
-        cls = types.new_class(base.__name__, (base,), exec_body=functools.partial(_class_body, base))
+        cls = types.new_class(
+            base.__name__, (base,), exec_body=functools.partial(_class_body, base)
+        )
         _CLASSES[base] = cls
     return cls
 
@@ -176,10 +179,14 @@ def _class_body(base: type, namespace: dict[str, Any]) -> None:
         __doc__=base.__doc__,
         forward=forward,
         plan=property(_get_plan, _set_plan, doc="The :class:`~autockpt.Plan` applied."),
-        on_larger_input=property(_get_on_larger_input, _set_on_larger_input, doc=(
-            'What a training call with tensors larger than planned does: "error" (default) '
-            'raises PlanMismatchError, "warn" warns once per shape and runs the graph.'
-        )),
+        on_larger_input=property(
+            _get_on_larger_input,
+            _set_on_larger_input,
+            doc=(
+                'What a training call with tensors larger than planned does: "error" (default) '
+                'raises PlanMismatchError, "warn" warns once per shape and runs the graph.'
+            ),
+        ),
         __reduce_ex__=_reduce_ex,
         __deepcopy__=_deepcopy,
         __copy__=_copy,
@@ -201,11 +208,7 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
     correctly but not within the budget: ``on_larger_input`` decides (error by default).
     """
     state: _Checkpointing | None = vars(self).get(_STATE)
-    if (
-        state is None
-        or self.training != state.captured_training
-        or not torch.is_grad_enabled()
-    ):
+    if state is None or self.training != state.captured_training or not torch.is_grad_enabled():
         return base.forward(self, *args, **kwargs)
     # A module replaced after planning (LoRA adapters) would be bypassed by the graph, and
     # another precision changes its memory: autockpt/base/tree.py, autockpt/base/precision.py.
@@ -220,11 +223,15 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
         if call is None:  # not a valid call: the original forward says why
             return base.forward(self, *args, **kwargs)
         if call.names != state.planned.names:
-            state.warn_once(("names", call.names), (
-                f"{type(self).__name__} called in training with ({', '.join(call.names)}) "
-                "runs un-checkpointed, outside the plan's budget: the plan covers calls with "
-                f"({', '.join(state.planned.names)}); plan with these inputs to checkpoint them"
-            ), stacklevel=5)  # the caller of model(...)
+            state.warn_once(
+                ("names", call.names),
+                (
+                    f"{type(self).__name__} called in training with ({', '.join(call.names)}) "
+                    "runs un-checkpointed, outside the plan's budget: the plan covers calls with "
+                    f"({', '.join(state.planned.names)}); plan with these inputs to checkpoint them"
+                ),
+                stacklevel=5,
+            )  # the caller of model(...)
             return base.forward(self, *args, **kwargs)
         if state.input_check is not None:  # export's own guards name the failing dimension
             state.input_check(args, given)
@@ -305,11 +312,15 @@ def _check_size(self: nn.Module, state: _Checkpointing, call: CallShape) -> None
     if not _exceeds(call, planned):
         return
     if state.on_larger_input == "warn":
-        state.warn_once(("larger", call.tensors), (
-            f"{type(self).__name__} called in training with ({call.describe()}), larger "
-            f"than planned ({planned.describe()}): it runs the plan, but the step's peak "
-            "memory may exceed the budget"
-        ), stacklevel=6)
+        state.warn_once(
+            ("larger", call.tensors),
+            (
+                f"{type(self).__name__} called in training with ({call.describe()}), larger "
+                f"than planned ({planned.describe()}): it runs the plan, but the step's peak "
+                "memory may exceed the budget"
+            ),
+            stacklevel=6,
+        )
         return
     raise PlanMismatchError(
         f"this optimized {type(self).__name__} was planned for inputs ({planned.describe()}) "
@@ -346,9 +357,7 @@ def _forward_signature(cls: type) -> inspect.Signature | None:
     return signature.replace(parameters=params)
 
 
-def _call_shape(
-    signature: inspect.Signature | None, args: tuple, kwargs: dict
-) -> CallShape | None:
+def _call_shape(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> CallShape | None:
     """The :class:`CallShape` of ``forward(*args, **kwargs)`` (None: not a valid call). A
     keyword argument passed as its very default object (``attention_mask=None``) counts as
     not given: the forward cannot tell the two apart (:func:`autockpt.capture.without_defaults`)."""
@@ -446,7 +455,10 @@ def _reduce_ex(self: nn.Module, protocol: Any) -> tuple[Any, ...]:
             "autockpt.apply, or the original model"
         )
     return state.rebuild, (
-        plain_module(self), state.plan, state.captured_training, state.on_larger_input
+        plain_module(self),
+        state.plan,
+        state.captured_training,
+        state.on_larger_input,
     )
 
 

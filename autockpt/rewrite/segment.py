@@ -60,7 +60,9 @@ class CheckpointSegment(nn.Module):
     on the root module at call time, so the root's (possibly moved or sharded) tensors are
     the ones used."""
 
-    def __init__(self, fn: Callable[..., Any], spec: SegmentSpec, first_node: str, last_node: str) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], spec: SegmentSpec, first_node: str, last_node: str
+    ) -> None:
         super().__init__()
         self._fn = fn
         self.spec = spec
@@ -98,7 +100,10 @@ class CheckpointSegment(nn.Module):
                 options["context_fn"] = functools.partial(_keep_contexts, self._keep.wanted)
         elif self.spec.restore_buffers or self.spec.python_rng or self._keep is not None:
             options["context_fn"] = functools.partial(
-                _contexts, root, self.spec.restore_buffers, self.spec.python_rng,
+                _contexts,
+                root,
+                self.spec.restore_buffers,
+                self.spec.python_rng,
                 self._keep is not None,
             )
         return checkpoint(
