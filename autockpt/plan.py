@@ -189,7 +189,8 @@ class Plan:
     timeline: MemoryTimeline | None = None
     submodule: str | None = None
     """Qualified name of the submodule the graph fields describe, when the root's own forward
-    could not be captured and runs eagerly around it (autockpt/planning/nested.py); None: the root."""
+    could not be captured and runs eagerly around it (autockpt/planning/nested.py); None: the
+    root."""
     autockpt_version: str = field(default_factory=lambda: _library_version())
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION

@@ -2,8 +2,8 @@
 recompute overhead against peak memory across budgets.
 
 Reporting stays outside the pipeline: no stage (``autockpt/capture`` ... ``autockpt/planning``)
-imports this module, tables need only ``rich`` (a dependency already) and matplotlib is imported inside
-the functions that draw, so everything else works where matplotlib is not installed.
+imports this module, tables need only ``rich`` (a dependency already) and matplotlib is imported
+inside the functions that draw, so everything else works where matplotlib is not installed.
 Figures are built on a bare :class:`matplotlib.figure.Figure` (no ``pyplot`` global state),
 returned to the caller so that tests can inspect axes, labels and legend before saving.
 """

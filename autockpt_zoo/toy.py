@@ -229,10 +229,10 @@ class GPT(nn.Module):
     Exercises: dropout everywhere (recomputation must replay the same RNG stream), a causal mask
     held as a buffer and sliced with a length read from the input (``x.size(1)``), the
     ``masked_fill``/``softmax`` attention pattern whose ``T x T`` scores grow quadratically
-    with sequence length, a tied weight (``lm_head.weight is wte.weight``) that appears twice in the graph
-    but must be counted once, integer (non-differentiable) inputs, and a tuple output.
-    Plain ``torch.fx.symbolic_trace`` fails here (a real buffer indexed by a proxy length);
-    a tracer with ``proxy_buffer_attributes = True`` and ``torch.export`` both succeed.
+    with sequence length, a tied weight (``lm_head.weight is wte.weight``) that appears twice in
+    the graph but must be counted once, integer (non-differentiable) inputs, and a tuple output.
+    Plain ``torch.fx.symbolic_trace`` fails here (a real buffer indexed by a proxy length); a
+    tracer with ``proxy_buffer_attributes = True`` and ``torch.export`` both succeed.
 
     With ``checkpoint_blocks=True`` every block already runs under
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, the case in which

@@ -30,9 +30,9 @@ times one step of every cell, starting at a rotating position; on CUDA with even
 CPU as the process's CPU time, which other load on a shared machine inflates far less than
 wall time), the
 median per-round ratio to no checkpointing, profile and solve time, and whether the measured
-peak exceeded the budget. Writes ``e2e.json``, ``e2e.csv``, ``summary.md``, ``headline.md`` (the README table),
-``e2e_frontier.png`` (step time vs peak per method) and ``e2e_budget.png`` (measured peak vs
-budget, with the diagonal).
+peak exceeded the budget. Writes ``e2e.json``, ``e2e.csv``, ``summary.md``, ``headline.md`` (the
+README table), ``e2e_frontier.png`` (step time vs peak per method) and ``e2e_budget.png``
+(measured peak vs budget, with the diagonal).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ def _planner(name: str):
 def _check_three_budgets(name: str) -> None:
     """At three budgets across the plannable range: same tensors and names as the user's
     model, loss / outputs / every gradient / every buffer / RNG equal to eager's, measured
-    peak (allocator truth) within the budget and within 5% of the prediction, and checkpointing really used at the lowest."""
+    peak (allocator truth) within the budget and within 5% of the prediction, and checkpointing
+    really used at the lowest."""
     model, inputs, planner = _planner(name)
     low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
     assert low < high, f"{name}: no plan saves memory, so the zoo size is wrong"

@@ -77,11 +77,11 @@ def as_found(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
       write a placeholder into the new table.
     * Parameter ``.grad`` (the same objects, never accumulated into: the block starts from
       no gradient). Parameter values are not copied: trial steps never step an optimizer.
-    * Input tensors (``inputs``: anything holding tensors, e.g. :class:`~autockpt.base.inputs.Inputs`)
-      that the block wrote -- a forward that updates its input in place -- get their values
-      back, from a host copy taken on entry (no device memory); tensors it did not write
-      are not touched, so their version counters do not move. A leaf input's ``.grad``
-      is restored like a parameter's.
+    * Input tensors (``inputs``: anything holding tensors, e.g.
+      :class:`~autockpt.base.inputs.Inputs`) that the block wrote -- a forward that updates its
+      input in place -- get their values back, from a host copy taken on entry (no device
+      memory); tensors it did not write are not touched, so their version counters do not move.
+      A leaf input's ``.grad`` is restored like a parameter's.
     * torch's CPU and CUDA, Python's and NumPy's global generators (:mod:`autockpt.base.rng`).
     """
     rng = RngStates.now()

@@ -71,10 +71,11 @@ class NodeProfile:
     :attr:`Profile.storage_bytes`.
 
     ``cost_seconds`` is the node's forward cost as the solvers see it: a deterministic
-    function of its FLOPs and bytes (NOTE [profile: cost model]), so that the same graph gives the same plan in
-    every process. ``forward_seconds``/``backward_seconds`` are measured on the device
-    (NOTE [profile: probe]) and used to report times. ``forward_workspace``/``backward_workspace`` are the
-    bytes its kernels allocate beyond the tensors its operators return."""
+    function of its FLOPs and bytes (NOTE [profile: cost model]), so that the same graph gives
+    the same plan in every process. ``forward_seconds``/``backward_seconds`` are measured on the
+    device (NOTE [profile: probe]) and used to report times.
+    ``forward_workspace``/``backward_workspace`` are the bytes its kernels allocate beyond the
+    tensors its operators return."""
 
     name: str
     op: str
@@ -155,10 +156,10 @@ def profile(
     the un-checkpointed step on real tensors.
 
     Structure (saved, returned and mutated storages, FLOPs, random ops) comes from one
-    forward on fake tensors (NOTE [profile: fake structure]); kernel workspaces and times from the probe (NOTE [profile: probe]),
-    which runs each node on real tensors while only a lean working set is alive. On the
-    meta device (or with ``estimate_times``) there is no probe: times are the cost model's
-    (NOTE [profile: cost model]) and workspaces are unknown.
+    forward on fake tensors (NOTE [profile: fake structure]); kernel workspaces and times from
+    the probe (NOTE [profile: probe]), which runs each node on real tensors while only a lean
+    working set is alive. On the meta device (or with ``estimate_times``) there is no probe:
+    times are the cost model's (NOTE [profile: cost model]) and workspaces are unknown.
     """
     loss_fn = loss_fn or default_loss
     device = device_of(model, inputs)
@@ -285,19 +286,19 @@ many tiny segments."""
 
 
 def estimated_seconds(flops: int, traffic_bytes: int, device_type: str = "cuda") -> float:
-    """The cost model's forward seconds of one node (NOTE [profile: cost model]): the slower of its arithmetic
-    and its memory traffic (bytes read and written) at the nominal rates of
+    """The cost model's forward seconds of one node (NOTE [profile: cost model]): the slower of
+    its arithmetic and its memory traffic (bytes read and written) at the nominal rates of
     ``device_type``, plus a fixed per-node cost."""
     flop_rate, byte_rate, per_node = NOMINAL_RATES.get(device_type, NOMINAL_RATES["cuda"])
     return max(flops / flop_rate, traffic_bytes / byte_rate) + per_node
 
 
 class _Recorder(CaptureInterpreter):
-    """NOTE [profile: fake structure]: runs the graph once on fake tensors and records per node the storages it
-    saves for backward, returns and writes in place, its FLOPs and memory traffic, whether
-    it draws random numbers, and which of its tensor arguments need gradients (the probe
-    recreates exactly those). Values stay alive for the whole run so that storage ids are
-    never reused (fake tensors hold no memory)."""
+    """NOTE [profile: fake structure]: runs the graph once on fake tensors and records per node
+    the storages it saves for backward, returns and writes in place, its FLOPs and memory
+    traffic, whether it draws random numbers, and which of its tensor arguments need gradients
+    (the probe recreates exactly those). Values stay alive for the whole run so that storage ids
+    are never reused (fake tensors hold no memory)."""
 
     def __init__(
         self,
@@ -427,7 +428,8 @@ class _OpWatch(TorchDispatchMode):
 
 def _data_dependent(n: fx.Node, error: Exception) -> Exception:
     """The typed error for an operator whose output shape depends on tensor values: such a
-    step cannot be sized without running it, and planning never runs it (NOTE [profile: fake structure])."""
+    step cannot be sized without running it, and planning never runs it (NOTE [profile: fake
+    structure])."""
     op = getattr(error, "func", None)
     stack = n.meta.get("stack_trace") or ""
     location = stack.strip().splitlines()[-2].strip() if stack.strip() else ""
@@ -597,8 +599,9 @@ def _probe(
     structure: _Recorder,
     repeat: int,
 ) -> _ProbeResult:
-    """NOTE [profile: probe]: measure every node's kernel workspaces (pass 1) and times (pass 2) on the
-    device with a lean working set; also the loss's, and the allocator's peak meanwhile."""
+    """NOTE [profile: probe]: measure every node's kernel workspaces (pass 1) and times (pass 2)
+    on the device with a lean working set; also the loss's, and the allocator's peak
+    meanwhile."""
     device = device_of(model, inputs)
     n = len(index_of)
     tracker = StorageTracker()

@@ -2,54 +2,55 @@
 
 The plan simulator (:mod:`solvers.replay`) replays what this module records; see its
 docstring for why a replay of recorded allocations. How a step is recorded, and why
-(numbered notes the code points back to):
+(named notes the code points back to):
 
-* NOTE [record: fake sizes] **Sizes come from fake tensors.** Planning must fit where the plan fits, so the step the
-   plan avoids is never run with real tensors. The graph runs on fake tensors
-   (:func:`autockpt.base.runtime.fake_step`): every operator returns tensors with the real
-   shapes, dtypes, strides, devices and storage aliasing, and no data. A dispatch mode
-   (:class:`autockpt.base.allocations.StorageTracker`) sees every storage an operator returns (an allocation) and,
-   through a weak reference, when it dies (a free); the graph runs like its generated code
-   (values die after their last use) and backward runs through the real autograd engine,
-   so gradient buffers, gradient sums and parameter gradients appear in the engine's own
-   order. Backward operators belong to the compute node that created their autograd node
-   (sequence numbers). On the meta device the same tracker runs on the meta tensors.
-* NOTE [record: workspaces] **Workspaces come from real kernels, one node at a time.** What no operator returns (a
-   convolution's im2col buffer, a kernel's scratch space) is invisible to a dispatch mode.
-   :func:`autockpt.costs.profile.profile` measures it per node on real tensors while only a
-   lean working set is alive (``NodeProfile.forward_workspace``, ``backward_workspace``;
-   NOTE [profile: probe]), and :func:`record_trace`
-   adds it to the node's windows: one allocation of that many bytes over each window
-   (:func:`_with_workspaces`). The window's peak then equals what the allocator reaches
-   there; elsewhere the extra bytes can only over-count, never under-count.
-* NOTE [record: early stop] **Early stop.** A checkpoint's recompute stops at the segment's last save for backward;
-   the recorder notes, per node, how many events precede its last save (``last_pack``).
-* NOTE [record: autocast cache] **Autocast's weight cache.** Recorded under ``torch.autocast``, a node's forward casts
-   the weights it uses; the casts of float32 leaves that require grad stay in autocast's
-   cache from their first use to the end of the step (``autockpt/base/precision.py``), and a
-   recompute finds them there. They are no node's to free or recompute: each is moved
-   into a prologue window of its own just before the forward that made it
-   (:func:`_hold_cached_casts`), where no plan moves it. Without that, a checkpointed
-   node's cast (the matmul saves it) would be freed and made again by the replay, while
-   the cache holds it all along (measured peaks 3-20% above the prediction on small
-   models). The backward of every autocast cast (``ToCopyBackward``: the gradient back to
-   float32) gets a backward window of its own without workspace: the probe measures each
-   node's kernels without these conversions (:class:`autockpt.base.precision.AutocastCasts`),
-   which in the step may run after the node's saved tensors are freed, or not.
-* NOTE [record: buffers as left] **Buffers as the step leaves them.** A forward may replace a registered buffer (a table
-   built on the first call, as timm's ConViT does); a checkpoint restoring it snapshots it
-   as it finds it. The trace keeps every buffer's bytes at the end of the step
-   (``MemoryTrace.buffer_bytes``), which sizes those snapshots, not the placeholder the
-   model held before (measured 4092 bytes low on a 32x32 table).
-* NOTE [record: saved tensor release] **Where a backward lets go of a saved tensor.** Eager keeps a saved tensor until its
-   autograd node releases what it saved, after the engine has reduced the gradients the
-   formula returned (a bias gradient summed over the batch); a checkpoint's recomputed
-   copy dies as the formula returns. In backward, each saved activation is handed to its
-   formula as a stand-in of the same sizes and strides with a storage of its own (fake: no
-   memory); where the last stand-in of an allocation dies is kept
-   (``MemoryTrace.unpacked``) and the stand-ins leave no event. Where a probe workspace
-   spans the window, the allocator's peak within it is unknown, and the copy keeps the
-   original's free (a rescheduled free could fall before the true peak).
+* NOTE [record: fake sizes] **Sizes come from fake tensors.** Planning must fit where the plan
+  fits, so the step the plan avoids is never run with real tensors. The graph runs on fake
+  tensors (:func:`autockpt.base.runtime.fake_step`): every operator returns tensors with the
+  real shapes, dtypes, strides, devices and storage aliasing, and no data. A dispatch mode
+  (:class:`autockpt.base.allocations.StorageTracker`) sees every storage an operator returns (an
+  allocation) and, through a weak reference, when it dies (a free); the graph runs like its
+  generated code (values die after their last use) and backward runs through the real autograd
+  engine, so gradient buffers, gradient sums and parameter gradients appear in the engine's own
+  order. Backward operators belong to the compute node that created their autograd node
+  (sequence numbers). On the meta device the same tracker runs on the meta tensors.
+* NOTE [record: workspaces] **Workspaces come from real kernels, one node at a time.** What no
+  operator returns (a convolution's im2col buffer, a kernel's scratch space) is invisible to a
+  dispatch mode. :func:`autockpt.costs.profile.profile` measures it per node on real tensors
+  while only a lean working set is alive (``NodeProfile.forward_workspace``,
+  ``backward_workspace``; NOTE [profile: probe]), and :func:`record_trace` adds it to the node's
+  windows: one allocation of that many bytes over each window (:func:`_with_workspaces`). The
+  window's peak then equals what the allocator reaches there; elsewhere the extra bytes can only
+  over-count, never under-count.
+* NOTE [record: early stop] **Early stop.** A checkpoint's recompute stops at the segment's last
+  save for backward; the recorder notes, per node, how many events precede its last save
+  (``last_pack``).
+* NOTE [record: autocast cache] **Autocast's weight cache.** Recorded under ``torch.autocast``,
+  a node's forward casts the weights it uses; the casts of float32 leaves that require grad stay
+  in autocast's cache from their first use to the end of the step
+  (``autockpt/base/precision.py``), and a recompute finds them there. They are no node's to free
+  or recompute: each is moved into a prologue window of its own just before the forward that
+  made it (:func:`_hold_cached_casts`), where no plan moves it. Without that, a checkpointed
+  node's cast (the matmul saves it) would be freed and made again by the replay, while the cache
+  holds it all along (measured peaks 3-20% above the prediction on small models). The backward
+  of every autocast cast (``ToCopyBackward``: the gradient back to float32) gets a backward
+  window of its own without workspace: the probe measures each node's kernels without these
+  conversions (:class:`autockpt.base.precision.AutocastCasts`), which in the step may run after
+  the node's saved tensors are freed, or not.
+* NOTE [record: buffers as left] **Buffers as the step leaves them.** A forward may replace a
+  registered buffer (a table built on the first call, as timm's ConViT does); a checkpoint
+  restoring it snapshots it as it finds it. The trace keeps every buffer's bytes at the end of
+  the step (``MemoryTrace.buffer_bytes``), which sizes those snapshots, not the placeholder the
+  model held before (measured 4092 bytes low on a 32x32 table).
+* NOTE [record: saved tensor release] **Where a backward lets go of a saved tensor.** Eager
+  keeps a saved tensor until its autograd node releases what it saved, after the engine has
+  reduced the gradients the formula returned (a bias gradient summed over the batch); a
+  checkpoint's recomputed copy dies as the formula returns. In backward, each saved activation
+  is handed to its formula as a stand-in of the same sizes and strides with a storage of its own
+  (fake: no memory); where the last stand-in of an allocation dies is kept
+  (``MemoryTrace.unpacked``) and the stand-ins leave no event. Where a probe workspace spans the
+  window, the allocator's peak within it is unknown, and the copy keeps the original's free (a
+  rescheduled free could fall before the true peak).
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ def record_trace(
     nodes = capture.compute_nodes()
     index_of = {node: i for i, node in enumerate(nodes)}
     static = static_bytes(model, inputs)
-    # Under autocast the step starts with an empty weight cache (NOTE [record: autocast cache]), and the fake
-    # casts it made are not left in the caller's. Scalar draws take their worst case, as
-    # in the profile (a random-depth model runs every layer: autockpt/base/rng.py).
+    # Under autocast the step starts with an empty weight cache (NOTE [record: autocast cache]),
+    # and the fake casts it made are not left in the caller's. Scalar draws take their worst
+    # case, as in the profile (a random-depth model runs every layer: autockpt/base/rng.py).
     with (
         fresh_autocast_cache(),
         preserved_training_state(model),
@@ -122,7 +123,8 @@ def record_trace(
         trace, fake_ops, cached, conversions = _record(
             model, capture, fake_inputs, index_of, loss_fn, static
         )
-        # Buffers as the step leaves them (NOTE [record: buffers as left]): a forward may have replaced one.
+        # Buffers as the step leaves them (NOTE [record: buffers as left]): a forward may have
+        # replaced one.
         trace = dataclasses.replace(
             trace,
             buffer_bytes=tuple(
@@ -153,11 +155,11 @@ def record_trace(
 
 
 def _hold_cached_casts(trace: MemoryTrace, cached: set[int]) -> MemoryTrace:
-    """``trace`` with each allocation autocast's weight cache holds (NOTE [record: autocast cache]) made in a
-    prologue window of its own, right before the forward window that made it: the replay
-    keeps what no forward window made where and when it was (allocated there, never freed in
-    the step) and never copies it into a recompute. Windows only advance along the event
-    list, so each moved allocation stays in order with the rest of its node's forward."""
+    """``trace`` with each allocation autocast's weight cache holds (NOTE [record: autocast
+    cache]) made in a prologue window of its own, right before the forward window that made it:
+    the replay keeps what no forward window made where and when it was (allocated there, never
+    freed in the step) and never copies it into a recompute. Windows only advance along the
+    event list, so each moved allocation stays in order with the rest of its node's forward."""
     windows = trace.windows
     moved: dict[int, list[int]] = {}  # forward window -> its events that move
     seen: set[int] = set()
@@ -211,10 +213,10 @@ def _add_what_fake_kernels_miss(
     device_ops: Mapping[int, Sequence[tuple[str, int]]],
     hidden: dict[int, int],
 ) -> None:
-    """NOTE [record: workspaces], second half: where an operator of a node's forward returned more on the
-    device than on fake tensors (``aten::mkldnn_rnn_layer`` returns its reserve buffer on
-    the CPU and an empty one from its fake kernel), the difference joins the node's hidden
-    saved bytes (such buffers are what the backward needs). Operators are compared one by
+    """NOTE [record: workspaces], second half: where an operator of a node's forward returned
+    more on the device than on fake tensors (``aten::mkldnn_rnn_layer`` returns its reserve
+    buffer on the CPU and an empty one from its fake kernel), the difference joins the node's
+    hidden saved bytes (such buffers are what the backward needs). Operators are compared one by
     one, in order; a node whose two runs called different operators is left as recorded."""
     forward_window = {win.node: w for w, win in enumerate(trace.windows) if win.phase == FORWARD}
     for node, real in device_ops.items():
@@ -236,10 +238,10 @@ def _with_workspaces(
     hidden_saved: Mapping[int, int],
     conversions: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> MemoryTrace:
-    """``trace`` with what the probe saw and fake tensors cannot (NOTE [record: workspaces]): one workspace
-    allocation spanning each window that has one, and each node's hidden saved bytes from
-    the start of its forward to the end of its backward, saved by that node (so a plan that
-    checkpoints the node drops and recomputes them like its other saved tensors).
+    """``trace`` with what the probe saw and fake tensors cannot (NOTE [record: workspaces]):
+    one workspace allocation spanning each window that has one, and each node's hidden saved
+    bytes from the start of its forward to the end of its backward, saved by that node (so a
+    plan that checkpoints the node drops and recomputes them like its other saved tensors).
 
     A node's backward may be split into several windows (several autograd nodes); each gets
     the node's backward workspace, which over-counts only if two of them peak together,
@@ -273,7 +275,8 @@ def _with_workspaces(
         if size > 0:
             span(size, w, w, at_start=True)
     # In a window with a workspace, where the allocator peaked is unknown: a recomputed copy
-    # is kept to the window's eager free (NOTE [record: saved tensor release]), never dropped before that peak.
+    # is kept to the window's eager free (NOTE [record: saved tensor release]), never dropped
+    # before that peak.
     spanned = set(before)
     saved = [list(ids) for ids in trace.saved]
     for node, size in sorted(hidden_saved.items()):
@@ -406,7 +409,8 @@ def _forward_sequence_numbers(
 ) -> set[int]:
     """Sequence numbers of the autograd nodes reachable from ``result`` and not yet known;
     those that convert an autocast cast's gradient back to float32 are also added to
-    ``conversions`` (NOTE [record: autocast cache]; ``cast_to`` from :func:`autockpt.base.precision.autocast_dtypes`)."""
+    ``conversions`` (NOTE [record: autocast cache]; ``cast_to`` from
+    :func:`autockpt.base.precision.autocast_dtypes`)."""
     found: set[int] = set()
     stack = [t.grad_fn for t in tensors_in(result) if t.grad_fn is not None]
     seen: set[int] = set()
@@ -450,10 +454,11 @@ def _record(
     loss_fn: LossFn,
     static: int,
 ) -> tuple[MemoryTrace, dict[int, list[tuple[str, int]]], set[int], set[int]]:
-    """One step of the graph under :class:`autockpt.base.allocations.StorageTracker` (NOTE [record: fake sizes]), on whatever tensors
-    ``model`` and ``inputs`` hold (fake or meta); also the operators each window called and
-    the bytes of new storage each returned, the allocations autocast's weight cache holds
-    and the backward windows that convert autocast casts' gradients (NOTE [record: autocast cache])."""
+    """One step of the graph under :class:`autockpt.base.allocations.StorageTracker` (NOTE
+    [record: fake sizes]), on whatever tensors ``model`` and ``inputs`` hold (fake or meta);
+    also the operators each window called and the bytes of new storage each returned, the
+    allocations autocast's weight cache holds and the backward windows that convert autocast
+    casts' gradients (NOTE [record: autocast cache])."""
     statics = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
     tracker = _CastTracker({id(s) for s in static_storages}, cached_cast_dtypes())
@@ -570,9 +575,9 @@ def _without_stand_ins(
     recorded: Sequence[tuple[int, int]], stand_ins: Mapping[int, int]
 ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int, int], ...]]:
     """The step's events without the stand-ins backward formulas got for saved tensors
-    (NOTE [record: saved tensor release]), and per saved allocation where the last of them died: ``(allocation, window,
-    event)``, the stand-in died in ``window`` right before ``event`` (an index into the
-    events returned)."""
+    (NOTE [record: saved tensor release]), and per saved allocation where the last of them died:
+    ``(allocation, window, event)``, the stand-in died in ``window`` right before ``event`` (an
+    index into the events returned)."""
     events: list[tuple[int, int]] = []
     last: dict[int, tuple[int, int]] = {}
     seen: set[int] = set()
