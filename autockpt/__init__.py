@@ -10,22 +10,28 @@ from autockpt._version import __version__
 from autockpt.api import apply, optimize
 from autockpt.errors import (
     AutockptError,
+    BatchSizeError,
     BudgetError,
     BudgetTypeError,
     CompileError,
     CompileWarning,
     InfeasibleBudgetError,
+    OptimizerError,
     PlanFormatError,
     PlanMismatchError,
     PrecisionWarning,
     TraceError,
     UncoveredCallWarning,
 )
+from autockpt.fit import BatchCandidate, BatchFit, fit_batch
 from autockpt.measure import Measurement, measure
-from autockpt.plan import MemoryBreakdown, Plan, Segment
+from autockpt.plan import MemoryBreakdown, OptimizerRecord, Plan, Segment
 
 __all__ = [
     "AutockptError",
+    "BatchCandidate",
+    "BatchFit",
+    "BatchSizeError",
     "BudgetError",
     "BudgetTypeError",
     "CompileError",
@@ -33,6 +39,8 @@ __all__ = [
     "InfeasibleBudgetError",
     "Measurement",
     "MemoryBreakdown",
+    "OptimizerError",
+    "OptimizerRecord",
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",
@@ -42,6 +50,7 @@ __all__ = [
     "UncoveredCallWarning",
     "__version__",
     "apply",
+    "fit_batch",
     "measure",
     "optimize",
 ]

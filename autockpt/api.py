@@ -24,11 +24,19 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from autockpt.base.inputs import Inputs
+from autockpt.base.optimizer import check_optimizer
 from autockpt.base.rng import worst_case_draws
-from autockpt.base.runtime import LossFn, as_found, training_mode, warn_if_eval
+from autockpt.base.runtime import (
+    LossFn,
+    as_found,
+    release_freed_heap,
+    training_mode,
+    warn_if_eval,
+)
 from autockpt.capture.front import capture
 from autockpt.costs.problem import DEFAULT_MAX_STAGES, StageRange
 from autockpt.distributed import PlanRequest, plan_on_one_rank
@@ -37,6 +45,8 @@ from autockpt.errors import (
     BudgetError,
     BudgetTypeError,
     InfeasibleBudgetError,
+    OptimizerError,
+    PlanMismatchError,
     TraceError,
 )
 from autockpt.measure import Measurement, measure
@@ -75,9 +85,18 @@ def optimize(
     fsdp_units: Iterable[str] | None = None,
     plan_rank: int | None = 0,
     selective: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    accumulation_steps: int = 1,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
+
+    ``optimizer`` (the one the training loop steps): the budget covers the whole training
+    iteration from steady state, its state resident and its step after the backward (found
+    by stepping a stand-in of it on fake tensors; the optimizer itself is never stepped).
+    ``accumulation_steps=k``: the loop accumulates gradients over ``k`` micro-batches of
+    ``example_inputs``' size before each step; from the second on the gradients are
+    resident, and the budget covers that.
 
     ``example_inputs`` is a Tensor, a tuple of positional arguments or a dict of keyword
     arguments, shaped like a real batch. ``scope="total"`` budgets everything the step
@@ -123,6 +142,8 @@ def optimize(
             world_size=world_size,
             sharding=sharding,
             fsdp_units=fsdp_units,
+            optimizer=optimizer,
+            accumulation_steps=accumulation_steps,
         )
         return planner.optimize(
             budget_gb=budget_gb,
@@ -134,19 +155,36 @@ def optimize(
 
     return plan_on_one_rank(
         plan_here,
-        lambda plan: apply(model, plan, example_inputs),
+        lambda plan: apply(model, plan, example_inputs, optimizer=optimizer),
         PlanRequest(budget_gb, world_size, sharding, scope),
         plan_rank=plan_rank,
     )
 
 
-def apply(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module:
+def apply(
+    model: nn.Module,
+    plan: Plan,
+    example_inputs: Any = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> nn.Module:
     """Re-apply a saved plan to ``model`` without profiling or solving.
 
     The model is captured again and its structural fingerprint must equal the plan's; when
     ``example_inputs`` are given their shapes must match too. Plans captured with
-    ``torch.export`` need ``example_inputs`` (export traces with real shapes).
+    ``torch.export`` need ``example_inputs`` (export traces with real shapes). An
+    ``optimizer`` given must be the kind the plan's budget covers (``plan.optimizer``):
+    another one would not be covered, and is refused.
     """
+    if optimizer is not None:
+        check_optimizer(optimizer, unwrap(model)[0])
+        covered = plan.optimizer.name if plan.optimizer is not None else None
+        if covered != type(optimizer).__name__:
+            raise PlanMismatchError(
+                f"the plan's budget covers {f'a {covered}' if covered else 'no optimizer'}, "
+                f"not this {type(optimizer).__name__}: plan again with "
+                "optimize(..., optimizer=your_optimizer)"
+            )
     return apply_plan(model, plan, example_inputs)
 
 
@@ -169,6 +207,28 @@ def check_budget_gb(budget_gb: Any) -> float:
             ".no_checkpoint_peak_bytes, or `autockpt frontier`, show both."
         )
     return value
+
+
+def _check_iteration(
+    model: nn.Module, scope: str, optimizer: Any, accumulation_steps: Any
+) -> torch.optim.Optimizer | None:
+    """The training iteration's arguments, checked before any work: an optimizer of the
+    model's parameters (``autockpt.base.optimizer.check_optimizer``), only with scope
+    "total" (scope "activations" leaves out everything resident, the optimizer's state
+    too), and a whole number of micro-batches."""
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+        raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
+    if optimizer is None:
+        return None
+    if scope != "total":
+        raise OptimizerError(
+            f'scope="{scope}" budgets what lies above the resident part of a step, and an '
+            'optimizer\'s state is resident: pass scope="total" with an optimizer (the budget '
+            "is then the whole iteration's), or leave the optimizer out"
+        )
+    return check_optimizer(optimizer, model)
 
 
 def _leaves_as_found(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -210,18 +270,30 @@ class Planner:
         sharding: str | None = None,
         fsdp_units: Iterable[str] | None = None,
         progress: ProgressFn | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        accumulation_steps: int = 1,
     ) -> None:
         model, self._hand_back = unwrap(model)
         self.progress: ProgressFn = progress or (lambda stage: None)
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        self.optimizer = _check_iteration(model, scope, optimizer, accumulation_steps)
+        self.accumulation_steps = accumulation_steps
         self.sharding = resolve_sharding(model, world_size, sharding, fsdp_units)
         self.model = model
         self.inputs = Inputs.of(example_inputs).as_called(model)
         self.scope = scope
         self.loss_fn = loss_fn
         warn_if_eval(model)
-        request = Request(scope, loss_fn, tuple(leaf_modules), max_stages, self.sharding)
+        request = Request(
+            scope,
+            loss_fn,
+            tuple(leaf_modules),
+            max_stages,
+            self.sharding,
+            self.optimizer,
+            accumulation_steps,
+        )
         self._phases = Phases(self.progress)
         self.phase_seconds: dict[str, float] = self._phases.seconds
         """Wall seconds per planning phase (capture, profile, record, search, verify)."""
@@ -248,7 +320,9 @@ class Planner:
             self._phases.start("search", "searching the leanest plan")
             self.no_checkpoint_peak_bytes = self.predict([])
             self.minimum_peak_bytes = self.search.leanest().peak_bytes
-            self.breakdown = breakdown(self.profile, self.chain, scope, self.minimum_peak_bytes)
+            self.breakdown = breakdown(
+                self.profile, self.chain, scope, self.minimum_peak_bytes, self.trace
+            )
             if self.rank_memory is not None and scope == "total":
                 self.breakdown = rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
             self._phases.stop()
@@ -532,9 +606,17 @@ class Planner:
         draws = planned is not None and planned.worst_case_draws > 0 and not compiled
         worst_case = worst_case_draws() if draws else contextlib.nullcontext()
         with self.precision.entered(), training_mode(result), worst_case:
-            return measure(
-                result, self.inputs, loss_fn=self.loss_fn, repeat=0, warmup=1 if compiled else 0
+            measured = measure(
+                result,
+                self.inputs,
+                loss_fn=self.loss_fn,
+                repeat=0,
+                warmup=1 if compiled else 0,
+                optimizer=self.optimizer,
+                accumulation_steps=self.accumulation_steps,
             )
+        release_freed_heap()  # the measured step is gone: so are its pages
+        return measured
 
     def _measured_infeasible(self, budget_bytes: int, underestimate: int) -> InfeasibleBudgetError:
         return InfeasibleBudgetError(

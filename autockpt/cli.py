@@ -141,6 +141,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {value}")
+    return value
+
+
 def _at_least_two(text: str) -> int:
     try:
         value = int(text)
@@ -158,6 +168,50 @@ def _common(
     command.add_argument(
         "--quiet", action="store_true", help="print nothing but errors; no progress"
     )
+
+
+OPTIMIZERS = {
+    # name -> (torch.optim class, keyword arguments): what `--optimizer NAME` builds over the
+    # model's parameters (docs/cli.md). SGD is the common momentum form.
+    "adamw": ("AdamW", {}),
+    "adam": ("Adam", {}),
+    "sgd": ("SGD", {"lr": 0.01, "momentum": 0.9}),
+}
+
+
+def _iteration_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default=None,
+        help="the training loop's optimizer (torch.optim defaults; sgd: lr 0.01, momentum "
+        "0.9): the budget then covers the whole iteration, its state and step included",
+    )
+    command.add_argument(
+        "--accumulation-steps",
+        type=_positive_int,
+        default=1,
+        help="micro-batches per optimizer step (gradient accumulation)",
+    )
+
+
+def _build_optimizer(name: str | None, model: Any) -> Any:
+    """The optimizer ``--optimizer NAME`` (or a plan's ``optimizer.name``) stands for."""
+    if name is None:
+        return None
+    import torch
+
+    by_class = {cls: (cls, kwargs) for cls, kwargs in OPTIMIZERS.values()}
+    cls, kwargs = OPTIMIZERS.get(name) or by_class.get(name) or (None, None)
+    if cls is None:
+        from autockpt.errors import OptimizerError
+
+        raise OptimizerError(
+            f"the plan's budget covers a {name}, which the command line cannot build (it builds "
+            f"{', '.join(c for c, _ in OPTIMIZERS.values())}): check it from Python with "
+            "autockpt.measure(model, inputs, optimizer=your_optimizer)"
+        )
+    return getattr(torch.optim, cls)(model.parameters(), **kwargs)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -221,6 +275,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="comma-separated modules to fully_shard (default: repeated blocks)",
     )
+    _iteration_options(plan)
     plan.add_argument(
         "--meta",
         action="store_true",
@@ -282,7 +337,30 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also rewrite and measure every point (one real step each; slower)",
     )
+    _iteration_options(frontier)
     frontier.set_defaults(run=_frontier)
+
+    fit = sub.add_parser(
+        "fit",
+        help="the largest (or fastest) batch that fits a budget, from predictions alone",
+    )
+    fit.add_argument(
+        "spec", help="package.module:factory; factory(n) returns (model, example_inputs) of size n"
+    )
+    fit.add_argument(
+        "--budget-gb",
+        type=_positive_float,
+        required=True,
+        help="peak memory budget of one training iteration, GiB (2**30 bytes)",
+    )
+    _iteration_options(fit)
+    fit.add_argument("--objective", choices=("largest", "throughput"), default="largest")
+    fit.add_argument("--multiple-of", type=_positive_int, default=1)
+    fit.add_argument("--max-batch-size", type=_positive_int, default=None)
+    fit.add_argument("-o", "--output", default="fit.png", help="plot file (default fit.png)")
+    fit.add_argument("--no-plot", action="store_true", help="do not draw the plot")
+    _common(fit)
+    fit.set_defaults(run=_fit)
 
     bench = sub.add_parser("bench", help="run a benchmark: " + " | ".join(BENCHMARKS))
     bench.add_argument(
@@ -416,6 +494,11 @@ def _load_plan(path: str) -> Any:
 
 def load_spec(spec: str) -> tuple[Any, Any]:
     """Import ``package.module:factory`` and call it; return ``(model, example_inputs)``."""
+    return _call_factory(spec, load_factory(spec))
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """Import ``package.module:factory`` and return the factory (not called)."""
     if ":" not in spec:
         raise SpecError(f"model SPEC must look like package.module:factory, got {spec!r}")
     module_name, _, attr = spec.partition(":")
@@ -430,10 +513,16 @@ def load_spec(spec: str) -> tuple[Any, Any]:
     factory: Callable[[], Any] | None = getattr(module, attr, None)
     if not callable(factory):
         raise SpecError(f"{module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _call_factory(spec: str, factory: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """``factory(*args)``, checked to return ``(model, example_inputs)``."""
     try:
-        result = factory()
+        result = factory(*args)
     except Exception as error:  # noqa: BLE001
-        raise SpecError(f"{spec} raised {type(error).__name__}: {error}") from error
+        call = f"{spec}({', '.join(map(repr, args))})" if args else spec
+        raise SpecError(f"{call} raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) == 2):
         raise SpecError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
     from torch import nn
@@ -540,6 +629,8 @@ def _plan(args: argparse.Namespace) -> int:
             world_size=args.world_size,
             sharding=args.sharding,
             fsdp_units=units,
+            optimizer=_build_optimizer(args.optimizer, model),
+            accumulation_steps=args.accumulation_steps,
         )
         fast = planner.optimize(
             budget_gb=args.budget_gb,
@@ -619,7 +710,8 @@ def _verify(args: argparse.Namespace) -> int:
     inputs = Inputs.of(example)
     with Progress.for_args(args) as progress:
         progress.stage("applying the plan")
-        fast = autockpt.apply(model, plan, example)
+        optimizer = _build_optimizer(plan.optimizer.name if plan.optimizer else None, model)
+        fast = autockpt.apply(model, plan, example, optimizer=optimizer)
         checks: dict[str, bool] = {}
         grads = {}
         progress.stage("comparing one step with eager")
@@ -639,7 +731,9 @@ def _verify(args: argparse.Namespace) -> int:
                 if n in grads
             )
         progress.stage("measuring peak memory and step time")
-        measured = autockpt.measure(fast, example)
+        measured = autockpt.measure(
+            fast, example, optimizer=optimizer, accumulation_steps=plan.accumulation_steps
+        )
     used = plan.budgeted_bytes(measured.peak_bytes)  # what the budget covers
     if plan.sharding is None:
         checks["peak within budget"] = used <= plan.budget_bytes
@@ -675,6 +769,45 @@ def _verify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_VERIFY
 
 
+def _fit(args: argparse.Namespace) -> int:
+    import autockpt
+    from autockpt.report import fit_figure, print_fit, require_matplotlib, save_figure
+
+    if not args.no_plot:  # fail before the expensive part when matplotlib is missing
+        require_matplotlib()
+    factory = load_factory(args.spec)
+    # one model for every size (the first call's); each size's inputs from factory(n)
+    model, first_inputs = _call_factory(args.spec, factory, args.multiple_of)
+
+    def make_inputs(n: int) -> Any:
+        if n == args.multiple_of:
+            return first_inputs
+        return _call_factory(args.spec, factory, n)[1]
+
+    with Progress.for_args(args) as progress:
+        result = autockpt.fit_batch(
+            model,
+            make_inputs,
+            budget_gb=args.budget_gb,
+            optimizer=_build_optimizer(args.optimizer, model),
+            accumulation_steps=args.accumulation_steps,
+            objective=args.objective,
+            multiple_of=args.multiple_of,
+            max_batch_size=args.max_batch_size,
+            progress=progress.stage,
+        )
+    if not args.no_plot:
+        figure = fit_figure(result)
+        _write(args.output, lambda path: save_figure(figure, path), "plot")
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    elif not args.quiet:
+        print_fit(result)
+        if not args.no_plot:
+            print(f"wrote {args.output}")
+    return EXIT_OK
+
+
 def _frontier(args: argparse.Namespace) -> int:
     from autockpt.api import Planner
     from autockpt.report import frontier, frontier_figure, require_matplotlib, save_figure
@@ -685,7 +818,14 @@ def _frontier(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     progress_wanted = not args.quiet and not to_stdout and sys.stderr.isatty()
     with Progress(progress_wanted) as progress:
-        planner = Planner(model, inputs, scope=args.scope, progress=progress.stage)
+        planner = Planner(
+            model,
+            inputs,
+            scope=args.scope,
+            progress=progress.stage,
+            optimizer=_build_optimizer(args.optimizer, model),
+            accumulation_steps=args.accumulation_steps,
+        )
 
         def on_step(what: str, done: int, total: int) -> None:
             if done == 0:

@@ -103,6 +103,19 @@ class BudgetTypeError(BudgetError, TypeError):
     Also a ``TypeError``; catch :class:`BudgetError` for every bad budget."""
 
 
+class OptimizerError(AutockptError, ValueError):
+    """An optimizer autockpt cannot budget: not a ``torch.optim.Optimizer``, holding tensors
+    that are not the model's parameters, stepped with a closure (L-BFGS), or given with
+    ``scope="activations"`` (whose budget leaves out everything resident, the optimizer's
+    state included). Raised before any capture or profiling. Also a ``ValueError``."""
+
+
+class BatchSizeError(AutockptError, ValueError):
+    """``fit_batch``'s ``make_inputs`` cannot serve the search: it raised for a size (the
+    message names the call), or returns inputs of the same shapes for two sizes (it must
+    build inputs of size ``n``). Also a ``ValueError``."""
+
+
 class CompileError(AutockptError, TypeError):
     """A ``torch.compile``'d model in a form that planning cannot see through (compiled in
     place with ``Module.compile()``). Plan the eager module first, then compile the result:

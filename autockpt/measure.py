@@ -2,7 +2,10 @@
 
 Peak memory follows the budget's definition: every byte of tensor memory alive during one
 forward + backward step that belongs to the model's step — parameters, buffers, inputs,
-parameter gradients, saved and recomputed activations, transient workspaces.
+parameter gradients, saved and recomputed activations, transient workspaces — and, given
+the training loop's optimizer, one whole iteration from steady state: its state resident
+from the start, its step after the backward (and with gradient accumulation, every
+micro-batch of the iteration).
 
 * CUDA: ``torch.cuda.reset_peak_memory_stats`` + ``max_memory_allocated``, minus whatever
   unrelated tensors were already allocated on the device before the step.
@@ -13,13 +16,15 @@ parameter gradients, saved and recomputed activations, transient workspaces.
 
 Step time is the median of ``repeat`` un-instrumented steps (``repeat=0``: memory only, step
 time 0). The model, the inputs and the global random generators are left as found
-(:func:`autockpt.base.runtime.as_found`).
+(:func:`autockpt.base.runtime.as_found`); so is the optimizer: a stand-in of it steps
+(autockpt/base/optimizer.py), and the parameters it moved get their values back.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +36,13 @@ from torch import nn  # noqa: E402
 from autockpt.base import allocations  # noqa: E402
 from autockpt.base.allocations import allocator_events, peak_above_start, profiler_session  # noqa: E402
 from autockpt.base.inputs import Inputs  # noqa: E402
+from autockpt.base.optimizer import (  # noqa: E402
+    check_optimizer,
+    parameters_of,
+    stand_in,
+    state_tensors,  # noqa: E402
+)
+from autockpt.base.optimizer import step as optimizer_step  # noqa: E402
 from autockpt.base.precision import fresh_autocast_cache  # noqa: E402
 from autockpt.base.runtime import LossFn, as_found, clear_grads, default_loss, device_of, now  # noqa: E402
 
@@ -63,34 +75,101 @@ def measure(
     loss_fn: LossFn | None = None,
     repeat: int = 5,
     warmup: int = 1,
+    optimizer: torch.optim.Optimizer | None = None,
+    accumulation_steps: int = 1,
 ) -> Measurement:
     """Measure peak memory and step time of ``loss_fn(model(*inputs)).backward()``.
+
+    With ``optimizer``, of one training iteration from steady state: ``accumulation_steps``
+    forward and backward passes, then a step of a stand-in of the optimizer (the same class
+    and hyperparameters, state of its own, made by a warm-up iteration and resident when
+    the measured one starts: ``static_bytes`` includes it). The user's optimizer is never
+    stepped and the parameters are as found afterwards.
 
     Called inside ``torch.autocast``, every step runs under it as in a fresh context per
     step: autocast's weight casts are made and counted in the step (the cache is emptied
     before and after each)."""
     inputs = Inputs.of(example_inputs)
+    if optimizer is not None:
+        check_optimizer(optimizer, model)
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+        raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
     loss_fn = loss_fn or default_loss
     device = device_of(model, inputs)
     static = static_bytes(model, inputs)
-    with as_found(model, inputs), fresh_autocast_cache():
+    with (
+        as_found(model, inputs),
+        fresh_autocast_cache(),
+        _Iteration(model, inputs, loss_fn, optimizer, accumulation_steps) as iteration,
+    ):
         clear_grads(model)
-        for _ in range(max(0, warmup)):
-            _step(model, inputs, loss_fn)
+        # the steady state has the optimizer's state: one iteration makes it
+        for _ in range(max(0, warmup, 1 if optimizer is not None else 0)):
+            iteration()
             clear_grads(model)
+        static += iteration.state_bytes()
         if device.type == "cuda":
-            peak = _cuda_peak(model, inputs, loss_fn, device, static)
+            peak = _cuda_peak(iteration, device, static)
         else:
-            peak = _cpu_peak(model, inputs, loss_fn, static)
+            peak = _cpu_peak(iteration, static)
         clear_grads(model)
         times = []
         for _ in range(max(0, repeat)):
             start = now(device)
-            _step(model, inputs, loss_fn)
+            iteration()
             times.append(now(device) - start)
             clear_grads(model)
     seconds = statistics.median(times) if times else 0.0
     return Measurement(peak, static, seconds, str(device), max(0, repeat))
+
+
+class _Iteration:
+    """One training iteration of ``model`` as its loop runs it: ``accumulation_steps``
+    forward and backward passes, then the optimizer's step (a stand-in's, over the real
+    parameters; ``zero_grad`` is the caller's). On exit the parameters the stand-in moved
+    get their values back from host copies (no device memory) and its state is dropped."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Inputs,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        accumulation_steps: int,
+    ) -> None:
+        self.model, self.inputs, self.loss_fn = model, inputs, loss_fn
+        self.optimizer, self.accumulation_steps = optimizer, accumulation_steps
+        self.stepping: torch.optim.Optimizer | None = None
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> _Iteration:
+        if self.optimizer is not None:
+            self.stepping = stand_in(self.optimizer, lambda p: p)
+            self.saved = [
+                (p, p.detach().to("cpu", copy=True)) for p in parameters_of(self.stepping)
+            ]
+        return self
+
+    def __call__(self) -> None:
+        for _ in range(self.accumulation_steps):
+            _step(self.model, self.inputs, self.loss_fn)
+        if self.stepping is not None:
+            optimizer_step(self.stepping)
+
+    def state_bytes(self) -> int:
+        """Bytes of the stand-in's state: resident between iterations."""
+        if self.stepping is None:
+            return 0
+        return allocations.StorageSet(skip_meta=True).add(state_tensors(self.stepping))
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stepping = None
+        with torch.no_grad():
+            for p, value in self.saved:
+                p.copy_(value)
+        self.saved = []
 
 
 def static_bytes(model: nn.Module, inputs: Inputs) -> int:
@@ -107,19 +186,17 @@ def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn) -> None:
         loss.backward()
 
 
-def _cpu_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, static: int) -> int:
+def _cpu_peak(iteration: Callable[[], None], static: int) -> int:
     with profiler_session() as session:
-        _step(model, inputs, loss_fn)
+        iteration()
     return static + peak_above_start([e.nbytes for e in allocator_events(session, "cpu")])
 
 
-def _cuda_peak(
-    model: nn.Module, inputs: Inputs, loss_fn: LossFn, device: torch.device, static: int
-) -> int:
+def _cuda_peak(iteration: Callable[[], None], device: torch.device, static: int) -> int:
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    _step(model, inputs, loss_fn)
+    iteration()
     torch.cuda.synchronize(device)
     unrelated = before - static
     return torch.cuda.max_memory_allocated(device) - unrelated

@@ -84,6 +84,19 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class OptimizerRecord:
+    """The optimizer the budget covers (``optimize(..., optimizer=opt)``), in bytes: the
+    state it keeps between steps (resident for the whole iteration) and the highest its
+    step's own temporaries reach (while the gradients are alive). Found by stepping a
+    stand-in of it on fake tensors (autockpt/base/optimizer.py), not from a table."""
+
+    name: str
+    """The optimizer's class (``"AdamW"``)."""
+    state_bytes: int
+    step_bytes: int
+
+
+@dataclass(frozen=True)
 class RankMemory:
     """What one rank keeps under a distributed engine, in bytes (see
     ``autockpt.distributed``): local parameters (or shards) and gradients, DDP's gradient
@@ -97,6 +110,8 @@ class RankMemory:
     gathered_parameters: int
     reduce_scatter: int
     static: int
+    optimizer_state: int = 0
+    """The optimizer's state one rank keeps (a shard under FSDP), when the budget covers it."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +202,13 @@ class Plan:
     fsdp_units: tuple[str, ...] = ()
     rank_memory: RankMemory | None = None
     timeline: MemoryTimeline | None = None
+    optimizer: OptimizerRecord | None = None
+    """The optimizer whose state and step the budget and every prediction cover (the whole
+    training iteration from steady state); None: one forward and backward, the optimizer
+    outside the budget (plans written before this field load that way)."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step: from the second on, the gradients are resident
+    through forward and backward, and the budget covers that."""
     submodule: str | None = None
     """Qualified name of the submodule the graph fields describe, when the root's own forward
     could not be captured and runs eagerly around it (autockpt/planning/nested.py); None: the
@@ -276,7 +298,19 @@ class Plan:
             f"budget {format_bytes(self.budget_bytes)} (scope={self.scope}); predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)}; without checkpointing "
             f"{format_bytes(self.no_checkpoint_peak_bytes)}; leanest plan "
-            f"{format_bytes(self.minimum_peak_bytes)}",
+            f"{format_bytes(self.minimum_peak_bytes)}"
+            + (
+                f"; the whole iteration with {self.optimizer.name} (state "
+                f"{format_bytes(self.optimizer.state_bytes)}, step "
+                f"{format_bytes(self.optimizer.step_bytes)})"
+                if self.optimizer is not None
+                else ""
+            )
+            + (
+                f"; {self.accumulation_steps} micro-batches per step"
+                if self.accumulation_steps > 1
+                else ""
+            ),
             f"solver {self.solver}: {self.solver_status} in {self.solve_seconds:.3f} s; "
             f"{len(self.segments)} segment(s); recompute {self.predicted_recompute_seconds * 1e3:.2f} ms "
             f"({100 * self.recompute_fraction:.1f}% of a step)",
@@ -312,6 +346,8 @@ def _check_semantics(plan: Plan) -> None:
         raise ValueError(f"solver_status {plan.solver_status!r} is not optimal or feasible")
     if plan.budget_bytes <= 0:
         raise ValueError("budget_bytes must be positive")
+    if plan.accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {plan.accumulation_steps}")
     if plan.world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {plan.world_size}")
     if plan.sharding not in (None, "ddp", "fsdp"):
@@ -381,6 +417,8 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         return _build(MemoryBreakdown, value)
     if name == "rank_memory":
         return None if value is None else _build(RankMemory, value)
+    if name == "optimizer":
+        return None if value is None else _build(OptimizerRecord, value)
     if name == "sharding":
         if value is not None and not isinstance(value, str):
             raise TypeError(f"sharding must be a string or null, got {value!r}")

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
 
     from autockpt.api import Planner
+    from autockpt.fit import BatchFit
 
 MIB = 2**20
 
@@ -57,6 +58,7 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
         ),
         ("inputs", plan.input_signature),
         ("budget", f"{format_bytes(plan.budget_bytes)} (scope={plan.scope})"),
+        ("covers", _what_the_budget_covers(plan)),
         ("solver", f"{plan.solver}: {plan.solver_status}, gap {gap}, {plan.solve_seconds:.3f} s"),
         (
             "written by",
@@ -78,6 +80,17 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     }
     for name, value in parts.items():
         memory.add_row(labels.get(name, name), format_bytes(value))
+    if plan.optimizer is not None:
+        memory.add_row(f"{plan.optimizer.name} state", format_bytes(plan.optimizer.state_bytes))
+        memory.add_row(
+            f"{plan.optimizer.name} step (its own temporaries)",
+            format_bytes(plan.optimizer.step_bytes),
+        )
+    if plan.accumulation_steps > 1:
+        memory.add_row(
+            f"gradients resident ({plan.accumulation_steps} micro-batches per step)",
+            format_bytes(plan.memory.gradients),
+        )
     if plan.calibration_bytes:
         memory.add_row(
             "calibration (measured, unseen by the graph)", format_bytes(plan.calibration_bytes)
@@ -138,6 +151,17 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
             ", ".join(f"{kept.node} ({kept.op.split('.')[1]})" for kept in seg.kept_ops) or "-",
         )
     return [overview, memory, peaks, segments]
+
+
+def _what_the_budget_covers(plan: Plan) -> str:
+    if plan.optimizer is None and plan.accumulation_steps == 1:
+        return "one forward and backward (the optimizer outside)"
+    what = "one training iteration from steady state"
+    if plan.optimizer is not None:
+        what += f": forward, backward and the {plan.optimizer.name} step, its state resident"
+    if plan.accumulation_steps > 1:
+        what += f"; {plan.accumulation_steps} micro-batches per step"
+    return what
 
 
 def _scoped(plan: Plan, measured_total: int) -> str:
@@ -270,6 +294,76 @@ def timeline_figure(plan: Plan) -> Figure:
 def save_figure(fig: Figure, path: str) -> None:
     """Write ``fig`` as an image; the format follows the file name (``.png``, ``.svg``...)."""
     fig.savefig(path, dpi=120)
+
+
+# -- the batch that fits ------------------------------------------------------------------
+
+
+def print_fit(result: BatchFit, console: Any = None) -> None:
+    """The sizes ``fit_batch`` planned, as a table, and its answer."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    plan = result.plan
+    table = Table(
+        title=f"batch sizes planned under {format_bytes(plan.budget_bytes)}",
+        title_justify="left",
+    )
+    for name in ("size", "leanest plan's peak", "fits", "predicted step", "samples/s"):
+        table.add_column(name, justify="right")
+    for c in result.candidates:
+        table.add_row(
+            str(c.size) + (" *" if c.size == result.batch_size else ""),
+            format_bytes(c.minimum_peak_bytes),
+            "yes" if c.fits else "no",
+            "-" if c.predicted_step_seconds is None else f"{c.predicted_step_seconds * 1e3:.1f} ms",
+            "-" if c.samples_per_second is None else f"{c.samples_per_second:.1f}",
+        )
+    console.print(table)
+    measured = (
+        "not measured"
+        if plan.measured_peak_bytes is None
+        else f"measured {format_bytes(plan.measured_peak_bytes)}"
+    )
+    console.print(
+        f"{result.objective}: batch {result.batch_size} (* above); predicted peak "
+        f"{format_bytes(plan.predicted_peak_bytes)}, {measured}; "
+        f"{len(plan.segments)} checkpointed segment(s); {result.samples_per_second:.1f} "
+        "samples/s predicted"
+    )
+    for note in result.notes:
+        console.print(f"note: {note}")
+
+
+def fit_figure(result: BatchFit) -> Figure:
+    """Leanest plan's peak and predicted samples per second against the size, with the
+    budget as a line and the answer marked."""
+    fig = _figure(7, 6)
+    peak_ax, speed_ax = fig.subplots(2, 1, sharex=True)
+    sizes = [c.size for c in result.candidates]
+    peak_ax.plot(
+        sizes,
+        [c.minimum_peak_bytes / MIB for c in result.candidates],
+        "o-",
+        label="leanest plan's peak",
+    )
+    peak_ax.axhline(result.plan.budget_bytes / MIB, color="red", linestyle="--", label="budget")
+    peak_ax.axvline(result.batch_size, color="green", linestyle=":", label="answer")
+    peak_ax.set_ylabel("MiB")
+    peak_ax.legend()
+    fitting = [c for c in result.candidates if c.samples_per_second]
+    speed_ax.plot(
+        [c.size for c in fitting],
+        [c.samples_per_second for c in fitting],
+        "o-",
+        label="predicted samples/s at the budget",
+    )
+    speed_ax.axvline(result.batch_size, color="green", linestyle=":")
+    speed_ax.set_xlabel("batch size")
+    speed_ax.set_ylabel("samples / s")
+    speed_ax.legend()
+    return fig
 
 
 # -- frontier ------------------------------------------------------------------------------
@@ -420,7 +514,14 @@ def _sqrt_segments(planner: Planner) -> list[tuple[int, int]]:
 
 
 def _measure(planner: Planner, module: Any) -> Any:
-    return measure(module, planner.inputs, loss_fn=planner.loss_fn, repeat=5)
+    return measure(
+        module,
+        planner.inputs,
+        loss_fn=planner.loss_fn,
+        repeat=5,
+        optimizer=planner.optimizer,
+        accumulation_steps=planner.accumulation_steps,
+    )
 
 
 def repeated_block_segments(planner: Planner) -> tuple[str | None, tuple[tuple[int, int], ...]]:

@@ -92,12 +92,16 @@ __all__ = [
 ]
 
 PROLOGUE, FORWARD, LOSS, BACKWARD = "prologue", "forward", "loss", "backward"
+OPTIMIZER = "optimizer"
+"""The optimizer's step after the last backward (node -1): no plan moves what it makes, and
+the gradients it reads are alive; a training iteration's peak may fall there."""
 
 
 @dataclass(frozen=True)
 class Window:
-    """A stretch of the eager step: ``phase`` is forward, loss or backward; ``node`` is the
-    compute node's index (-1 for the loss and for backward functions of the loss)."""
+    """A stretch of the eager step: ``phase`` is prologue, forward, loss, backward or
+    optimizer; ``node`` is the compute node's index (-1 for the loss, for backward functions
+    of the loss and for the optimizer's step)."""
 
     phase: str
     node: int
@@ -126,8 +130,8 @@ class MemoryTrace:
     allocation ``a``. Per compute node: the allocations it reads (``reads``), returns
     (``outputs``) and saves for backward (``saved``). ``output_allocations`` are those of the
     graph's output. ``static_bytes`` is what is alive before the step starts (parameters,
-    buffers, inputs). ``source`` is ``"allocator"`` (profiler events) or ``"storages"``
-    (meta-device storage tracker: no kernel workspaces).
+    buffers, inputs, and what ``resident`` names). ``source`` is ``"allocator"`` (profiler
+    events) or ``"storages"`` (meta-device storage tracker: no kernel workspaces).
     """
 
     num_nodes: int
@@ -158,6 +162,10 @@ class MemoryTrace:
     forward_ops: tuple[tuple[OpCall, ...], ...] = ()
     """Per compute node, the operators its forward called, in order (empty: not recorded;
     then no node can be kept inside a segment)."""
+    resident: tuple[tuple[str, int], ...] = ()
+    """``(what, bytes)`` the static part holds besides parameters, buffers and inputs: the
+    optimizer's state of a training iteration from steady state, the gradients micro-batches
+    after the first accumulate into. Already in ``static_bytes``; named for reports."""
 
     def eager_peak_bytes(self) -> int:
         """The recorded step's own peak (static part included)."""

@@ -24,6 +24,7 @@ FLOORS = [  # lowest first; a group is a module or a stage folder
     ["autockpt.costs", "autockpt.rewrite"],
     ["autockpt.planning"],
     ["autockpt.api"],
+    ["autockpt.fit"],
     ["autockpt.report", "autockpt"],
     ["autockpt.cli"],
 ]

@@ -124,7 +124,7 @@ class _Grads:
 
 
 def _train(
-    model: nn.Module, tmp_path, collate
+    model: nn.Module, tmp_path, collate, batch: int = HF_BATCH, **overrides: Any
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Two steps of ``transformers.Trainer`` over LENGTHS-long examples: losses and grads."""
     pytest.importorskip("accelerate")
@@ -134,13 +134,14 @@ def _train(
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=2,
-        per_device_train_batch_size=HF_BATCH,
+        per_device_train_batch_size=batch,
         use_cpu=True,
         report_to=[],
         logging_steps=1,
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
+        **overrides,
     )
     trainer = Trainer(
         model=model,
@@ -217,6 +218,28 @@ def test_trainer_example_from_the_docs_within_budget(tmp_path, checkpoint_calls)
     assert fast.plan.segments and fast.plan.measured_peak_bytes <= budget
     checkpoint_calls.clear()  # verification ran the plan once
     _trains_like_eager(fast, tmp_path, lambda f: _pad(f, HF_SEQ), checkpoint_calls)
+
+
+@pytest.mark.slow
+def test_trainer_with_gradient_accumulation_is_planned_for_it(tmp_path, checkpoint_calls):
+    """``gradient_accumulation_steps=2`` with the Trainer's AdamW: planned with an AdamW of
+    the model and ``accumulation_steps=2``, the whole iteration (two micro-batches, the
+    step) measures within the budget, and the Trainer trains exactly like eager."""
+    model = tiny_gpt2()
+    batch = _as_trainer_sends(_pad(_examples(LENGTHS[:2]), HF_SEQ))
+    optimizer = torch.optim.AdamW(model.parameters())  # the Trainer's default, adamw_torch
+    planner = quiet_planner(model, batch, optimizer=optimizer, accumulation_steps=2)
+    budget = budget_between(planner, 0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = planner.optimize(budget_gb=budget / GIB)
+    assert fast.plan.segments and fast.plan.measured_peak_bytes <= budget
+    assert fast.plan.optimizer.name == "AdamW" and fast.plan.accumulation_steps == 2
+    collate = lambda f: _pad(f, HF_SEQ)  # noqa: E731
+    overrides = {"gradient_accumulation_steps": 2}
+    expected = _train(tiny_gpt2(), tmp_path / "eager", collate, 2, **overrides)
+    got = _train(copy.deepcopy(fast), tmp_path / "fast", collate, 2, **overrides)
+    _assert_same_training(expected, got)
 
 
 @pytest.mark.slow

@@ -49,6 +49,8 @@ from autockpt.base.allocations import (
     storage_key,
 )
 from autockpt.base.inputs import Inputs
+from autockpt.base.optimizer import stand_in, state_tensors
+from autockpt.base.optimizer import step as optimizer_step
 from autockpt.base.precision import AutocastCasts, empty_autocast_cache, fresh_autocast_cache
 from autockpt.base.rng import worst_case_draws
 from autockpt.base.runtime import (
@@ -119,6 +121,10 @@ class Profile:
     step_seconds: float
     times_estimated: bool = False
     loss_workspace: int = 0
+    optimizer_workspace: int = 0
+    """What the optimizer's real step allocates beyond what its operators return (a
+    0-dim tensor wrapping a Python scalar per parameter on the CPU), when profiled with the
+    training loop's optimizer (NOTE [profile: optimizer probe])."""
     probe_peak_bytes: int | None = None
     worst_case_draws: int = 0
     """Scalar draws the fake step answered with their worst case (a random-depth model,
@@ -151,6 +157,7 @@ def profile(
     loss_fn: LossFn | None = None,
     repeat: int = 1,
     estimate_times: bool | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Profile:
     """Profile one training step of ``capture``'s graph, node by node, without ever running
     the un-checkpointed step on real tensors.
@@ -253,6 +260,9 @@ def profile(
         step_seconds=step_seconds,
         times_estimated=estimate_times,
         loss_workspace=probe.loss_workspace if probe else 0,
+        optimizer_workspace=(
+            _probe_optimizer(optimizer) if probe is not None and optimizer is not None else 0
+        ),
         probe_peak_bytes=probe.peak_bytes if probe else None,
         worst_case_draws=structure.worst_case_draws,
     )
@@ -646,6 +656,39 @@ def _probe(
         loss_workspace=max(workspace.get("floss", 0), workspace.get("bloss", 0)),
         peak_bytes=peak,
     )
+
+
+def _probe_optimizer(optimizer: torch.optim.Optimizer) -> int:
+    """NOTE [profile: optimizer probe]. A real optimizer step allocates what its operators do
+    not return: on the CPU each parameter's update wraps Python scalars (the learning rate,
+    the bias corrections) in 0-dim tensors, 4 to 12 bytes at a time. That overhead does not
+    grow with the parameters' sizes, so it is measured on a stand-in of the optimizer over
+    one-element copies of its parameters (same dtypes, devices and count: a lean working set
+    whatever the model's size), under the profiler's allocator events and the storage
+    tracker at once, after a first step has made the state: the difference of the two peaks.
+    """
+    tiny = {
+        id(p): torch.zeros((1,) * p.dim(), dtype=p.dtype, device=p.device).requires_grad_(
+            p.requires_grad
+        )
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+    stepping = stand_in(optimizer, lambda p: tiny[id(p)])
+    for t in tiny.values():
+        if t.requires_grad:
+            t.grad = torch.ones_like(t)
+    optimizer_step(stepping)  # the state, as the steady state holds it
+    alive = [*tiny.values(), *state_tensors(stepping)]
+    alive += [t.grad for t in tiny.values() if t.grad is not None]
+    tracker = StorageTracker({id(t.untyped_storage()) for t in alive})
+    device = next(iter(tiny.values())).device if tiny else torch.device("cpu")
+    with profiler_session() as session, tracker:
+        optimizer_step(stepping)
+    real = peak_above_start([e.nbytes for e in allocator_events(session, device.type)])
+    seen = tracker.deltas_by_window()
+    tracked = peak_above_start([d for window in sorted(seen) for d in seen[window]])
+    return max(0, real - tracked)
 
 
 def _gradient_like(

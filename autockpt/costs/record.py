@@ -51,6 +51,14 @@ docstring for why a replay of recorded allocations. How a step is recorded, and 
   (``MemoryTrace.unpacked``) and the stand-ins leave no event. Where a probe workspace spans the
   window, the allocator's peak within it is unknown, and the copy keeps the original's free (a
   rescheduled free could fall before the true peak).
+* NOTE [record: optimizer step] **A training iteration from steady state.** Given the user's
+  optimizer, a stand-in of it steps the fake parameters after the fake backward
+  (:func:`_with_optimizer_step`): its state joins the static part and its step's own
+  allocations are a window after the backward. The optimizer's kernels are elementwise and
+  run on the gradients' memory; no probe measures them (verification measures the iteration).
+* NOTE [record: accumulated gradients] **Micro-batches after the first.** With gradient
+  accumulation the gradients are resident from the start of such a micro-batch and each new
+  gradient is freed as soon as it is added in (:func:`_accumulating`).
 """
 
 from __future__ import annotations
@@ -64,8 +72,16 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from autockpt.base.allocations import StorageTracker, returned_short, static_bytes
+from autockpt.base.allocations import (
+    StorageSet,
+    StorageTracker,
+    peak_above_start,
+    returned_short,
+    static_bytes,
+)
 from autockpt.base.inputs import Inputs
+from autockpt.base.optimizer import stand_in, state_tensors
+from autockpt.base.optimizer import step as optimizer_step
 from autockpt.base.precision import (
     autocast_dtypes,
     cached_cast_dtypes,
@@ -84,7 +100,8 @@ from autockpt.base.runtime import (
 from autockpt.capture.captured import Capture
 from autockpt.costs.interpret import CaptureInterpreter, placeholder_values
 from autockpt.costs.profile import Profile
-from solvers.replay import BACKWARD, FORWARD, LOSS, PROLOGUE, MemoryTrace, Window
+from autockpt.plan import OptimizerRecord
+from solvers.replay import BACKWARD, FORWARD, LOSS, OPTIMIZER, PROLOGUE, MemoryTrace, Window
 
 __all__ = ["record_trace"]
 
@@ -96,6 +113,8 @@ def record_trace(
     *,
     loss_fn: LossFn | None = None,
     profile: Profile | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    accumulation_steps: int = 1,
 ) -> MemoryTrace:
     """Record one step of ``capture``'s graph as attributed allocation events, on fake
     tensors (NOTE [record: fake sizes]): nothing the size of an activation is allocated.
@@ -105,7 +124,12 @@ def record_trace(
     kernels allocate beyond the tensors its operators return, in forward and backward, the
     loss's, what a forward leaves allocated until its backward, and the operators' returned
     bytes that fake kernels miss. Without it the trace holds the fake step's events only.
-    The model, its gradients, buffers and the RNG are as they were afterwards.
+
+    With ``optimizer`` the trace is one training iteration from steady state (NOTE [record:
+    optimizer step]): its state is resident, and its step follows the backward in a window
+    of its own. With ``accumulation_steps`` above 1 it is a micro-batch after the first (NOTE
+    [record: accumulated gradients]). The model, its gradients, buffers, the RNG and the
+    optimizer are as they were afterwards.
     """
     loss_fn = loss_fn or default_loss
     nodes = capture.compute_nodes()
@@ -114,15 +138,18 @@ def record_trace(
     # Under autocast the step starts with an empty weight cache (NOTE [record: autocast cache]),
     # and the fake casts it made are not left in the caller's. Scalar draws take their worst
     # case, as in the profile (a random-depth model runs every layer: autockpt/base/rng.py).
+    twins: dict[int, torch.Tensor] = {}
     with (
         fresh_autocast_cache(),
         preserved_training_state(model),
-        fake_step(model, inputs) as fake_inputs,
+        fake_step(model, inputs, twins) as fake_inputs,
         worst_case_draws(),
     ):
-        trace, fake_ops, cached, conversions = _record(
+        trace, fake_ops, cached, conversions, gradients = _record(
             model, capture, fake_inputs, index_of, loss_fn, static
         )
+        if optimizer is not None:
+            trace = _with_optimizer_step(trace, optimizer, model, twins)
         # Buffers as the step leaves them (NOTE [record: buffers as left]): a forward may have
         # replaced one.
         trace = dataclasses.replace(
@@ -131,8 +158,114 @@ def record_trace(
                 (name, b.nbytes) for name, b in model.named_buffers(remove_duplicate=False)
             ),
         )
-    if profile is None:
-        return _hold_cached_casts(trace, cached) if cached else trace
+    if profile is not None:
+        trace = _with_probe(trace, profile, fake_ops, conversions)
+    if cached:
+        trace = _hold_cached_casts(trace, cached)
+    if accumulation_steps > 1:
+        trace = _accumulating(trace, gradients)
+    return trace
+
+
+def _with_optimizer_step(
+    trace: MemoryTrace,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    twins: Mapping[int, torch.Tensor],
+) -> MemoryTrace:
+    """NOTE [record: optimizer step]: a training iteration from steady state. A stand-in of
+    the user's optimizer (autockpt/base/optimizer.py) steps the fake parameters twice, after
+    the fake backward, while the gradients are alive: the first step makes its state (lazily,
+    as ``torch.optim`` does), which in the steady state is resident before the iteration
+    starts, so it joins the static part; the second step is the steady state's, and what it
+    allocates (``foreach`` lists, a fused kernel's outputs) is recorded in a window of its
+    own after the backward (``solvers.replay.OPTIMIZER``), which no plan moves. Whatever
+    else is alive then (parameters, buffers, gradients, the state) is not the step's."""
+    stepping = stand_in(optimizer, lambda p: twins.get(id(p), p))
+    optimizer_step(stepping)  # the state, as the steady state holds it
+    state = state_tensors(stepping)
+    state_bytes = StorageSet().add(state)
+    alive = [*model.parameters(), *model.buffers(), *state]
+    alive += [p.grad for p in model.parameters() if p.grad is not None]
+    tracker = StorageTracker({id(t.untyped_storage()) for t in alive})
+    with tracker:
+        optimizer_step(stepping)
+    offset, window = len(trace.sizes), len(trace.windows)
+    return dataclasses.replace(
+        trace,
+        windows=(*trace.windows, Window(OPTIMIZER, -1)),
+        events=(*trace.events, *((offset + a, window) for a, _ in tracker.events)),
+        sizes=(*trace.sizes, *tracker.sizes),
+        static_bytes=trace.static_bytes + state_bytes,
+        resident=(*trace.resident, (OPTIMIZER_STATE, state_bytes)),
+    )
+
+
+def _accumulating(trace: MemoryTrace, gradients: set[int]) -> MemoryTrace:
+    """NOTE [record: accumulated gradients]: a micro-batch after the first of a gradient
+    accumulation. Its parameter gradients are resident from the start (the first micro-batch
+    made them: they join the static part), and each gradient its backward computes is
+    accumulated into them in place and freed at once (``AccumulateGrad`` runs as soon as its
+    input is ready), where the recorded first micro-batch kept it as the ``.grad``. Such a
+    micro-batch peaks at least as high as the first, so it is what the budget must hold."""
+    events: list[tuple[int, int]] = []
+    inserted_before: list[int] = []  # per recorded event: frees inserted before it
+    for a, w in trace.events:
+        inserted_before.append(len(events) - len(inserted_before))
+        events.append((a, w))
+        if a in gradients:
+            events.append((a, w))  # freed as soon as it is accumulated
+    inserted_before.append(len(events) - len(trace.events))
+    grads = sum(trace.sizes[a] for a in gradients)
+    return dataclasses.replace(
+        trace,
+        events=tuple(events),
+        last_pack=tuple(p + inserted_before[p] if p >= 0 else p for p in trace.last_pack),
+        unpacked=tuple((a, w, e + inserted_before[e]) for a, w, e in trace.unpacked),
+        static_bytes=trace.static_bytes + grads,
+        resident=(*trace.resident, (ACCUMULATED_GRADIENTS, grads)),
+    )
+
+
+def optimizer_record(
+    trace: MemoryTrace, optimizer: torch.optim.Optimizer | None
+) -> OptimizerRecord | None:
+    """What ``trace`` (recorded with ``optimizer``) says the optimizer costs: its resident
+    state and the highest its step's own allocations reach."""
+    if optimizer is None:
+        return None
+    return OptimizerRecord(
+        name=type(optimizer).__name__,
+        state_bytes=dict(trace.resident).get(OPTIMIZER_STATE, 0),
+        step_bytes=optimizer_step_bytes(trace),
+    )
+
+
+def optimizer_step_bytes(trace: MemoryTrace) -> int:
+    """The highest the optimizer step's own allocations reach (0 without a step)."""
+    optimizer_windows = {w for w, win in enumerate(trace.windows) if win.phase == OPTIMIZER}
+    seen: set[int] = set()
+    deltas = []
+    for a, w in trace.events:
+        if w in optimizer_windows:
+            deltas.append(-trace.sizes[a] if a in seen else trace.sizes[a])
+        seen.add(a)
+    return peak_above_start(deltas)
+
+
+OPTIMIZER_STATE = "optimizer state"
+ACCUMULATED_GRADIENTS = "accumulated gradients"
+"""Names of what a trace's static part holds besides parameters, buffers and inputs
+(``MemoryTrace.resident``)."""
+
+
+def _with_probe(
+    trace: MemoryTrace,
+    profile: Profile,
+    fake_ops: Mapping[int, list[tuple[str, int]]],
+    conversions: set[int],
+) -> MemoryTrace:
+    """``trace`` with what the probe measured on real kernels (NOTE [record: workspaces])."""
     nodes = profile.nodes
     forward_workspace = {i: node.forward_workspace for i, node in enumerate(nodes)}
     backward_workspace = {i: node.backward_workspace for i, node in enumerate(nodes)}
@@ -148,9 +281,8 @@ def record_trace(
             profile.loss_workspace,
             hidden_saved,
             conversions,
+            optimizer=profile.optimizer_workspace,
         )
-    if cached:
-        trace = _hold_cached_casts(trace, cached)
     return trace
 
 
@@ -237,6 +369,7 @@ def _with_workspaces(
     loss: int,
     hidden_saved: Mapping[int, int],
     conversions: set[int] = frozenset(),  # type: ignore[assignment]
+    optimizer: int = 0,
 ) -> MemoryTrace:
     """``trace`` with what the probe saw and fake tensors cannot (NOTE [record: workspaces]):
     one workspace allocation spanning each window that has one, and each node's hidden saved
@@ -270,6 +403,8 @@ def _with_workspaces(
         size = {FORWARD: forward, BACKWARD: backward}.get(win.phase, {}).get(win.node, 0)
         if win.phase == LOSS:
             size = loss
+        if win.phase == OPTIMIZER:
+            size = optimizer
         if w in conversions:
             size = 0
         if size > 0:
@@ -453,12 +588,13 @@ def _record(
     index_of: dict[fx.Node, int],
     loss_fn: LossFn,
     static: int,
-) -> tuple[MemoryTrace, dict[int, list[tuple[str, int]]], set[int], set[int]]:
+) -> tuple[MemoryTrace, dict[int, list[tuple[str, int]]], set[int], set[int], set[int]]:
     """One step of the graph under :class:`autockpt.base.allocations.StorageTracker` (NOTE
     [record: fake sizes]), on whatever tensors ``model`` and ``inputs`` hold (fake or meta);
     also the operators each window called and the bytes of new storage each returned, the
-    allocations autocast's weight cache holds and the backward windows that convert autocast
-    casts' gradients (NOTE [record: autocast cache])."""
+    allocations autocast's weight cache holds, the backward windows that convert autocast
+    casts' gradients (NOTE [record: autocast cache]) and the allocations of the parameter
+    gradients (NOTE [record: accumulated gradients])."""
     statics = list(model.parameters()) + list(model.buffers()) + inputs.tensors()
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
     tracker = _CastTracker({id(s) for s in static_storages}, cached_cast_dtypes())
@@ -535,6 +671,7 @@ def _record(
         runner.on_unpack = on_unpack
         loss.backward()
         del loss
+        gradients = {tracker.key(p.grad) for p in model.parameters() if p.grad is not None}
     del static_storages
     events, unpacked = _without_stand_ins(tracker.events, stand_ins)
     device = next((t.device for t in statics), torch.device("cpu"))
@@ -568,6 +705,7 @@ def _record(
         tracker.op_log(),
         tracker.held(),
         conversion_windows,
+        gradients - {None},
     )
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from autockpt.base.inputs import given_input_names
 from autockpt.costs.problem import Chain
 from autockpt.costs.profile import Profile
+from autockpt.costs.record import optimizer_record, optimizer_step_bytes
 from autockpt.measure import Measurement
 from autockpt.plan import KeptOp, MemoryBreakdown, Plan, RankMemory, Segment
 from autockpt.planning.predict import Predictor
@@ -20,6 +23,7 @@ from autockpt.planning.prepared import Prepared
 from autockpt.planning.sharding import RANK_MARGIN_BYTES, Sharding
 from autockpt.rewrite.segment import SegmentSpec
 from solvers import Solution
+from solvers.replay import MemoryTrace
 
 
 def make_plan(
@@ -107,6 +111,8 @@ def make_plan(
         fsdp_units=sharding.units,
         rank_memory=prepared.rank_memory,
         timeline=predictor.timeline(solution.segments, solution.kept),
+        optimizer=optimizer_record(prepared.trace, prepared.request.optimizer),
+        accumulation_steps=prepared.request.accumulation_steps,
     )
 
 
@@ -149,6 +155,9 @@ def _notes(
         )
     if prepared.planning_peak_bytes is not None:
         notes.append(f"planning peak: {prepared.planning_peak_bytes} bytes (allocator)")
+    request = prepared.request
+    if request.optimizer is not None or request.accumulation_steps > 1:
+        notes.append(_iteration_note(request.optimizer, request.accumulation_steps))
     if sharding.active and checked is not None:
         # The measured step ran unsharded in this process: not a per-rank number.
         single = predictor.predict(solution.segments, solution.kept) - predictor.rank_shift(
@@ -166,14 +175,41 @@ def _notes(
     return tuple(notes)
 
 
-def breakdown(prof: Profile, chain: Chain, scope: str, least: int) -> dict[str, int]:
+def _iteration_note(optimizer: torch.optim.Optimizer | None, accumulation_steps: int) -> str:
+    what = []
+    if optimizer is not None:
+        what.append(
+            f"its {type(optimizer).__name__} state resident and the step after the backward "
+            "(a stand-in of the optimizer stepped on fake tensors; the optimizer itself never)"
+        )
+    if accumulation_steps > 1:
+        what.append(
+            f"{accumulation_steps} micro-batches per step, the gradients resident through "
+            "the second and later ones"
+        )
+    return "budget and predictions cover one training iteration from steady state: " + "; ".join(
+        what
+    )
+
+
+def breakdown(
+    prof: Profile, chain: Chain, scope: str, least: int, trace: MemoryTrace | None = None
+) -> dict[str, int]:
     """Where the leanest plan's bytes go, for the error that refuses a budget below it (in
-    scope "activations", only what that scope counts)."""
+    scope "activations", only what that scope counts): the static part, what else the
+    iteration keeps resident (the optimizer's state, accumulated gradients), the optimizer
+    step's own peak, the activations."""
     parts = {
         "parameters": prof.param_bytes,
         "gradients": prof.param_grad_bytes,
         "buffers": prof.buffer_bytes,
         "inputs": prof.input_bytes,
+    }
+    if trace is not None:
+        parts |= dict(trace.resident)
+        if optimizer_step_bytes(trace):
+            parts["optimizer step"] = optimizer_step_bytes(trace)
+    parts |= {
         "activations without checkpointing": sum(chain.problem.saved_bytes),
         "leanest plan's peak": least,
     }

@@ -16,10 +16,14 @@ The order of the phases, and why:
 2. *profile*: sizes from a step on fake tensors, kernel workspaces and times from a probe
    that runs one node at a time on the device (NOTE [profile: fake structure], NOTE
    [profile: probe]); the un-checkpointed step never runs for real.
-3. *chain*: the stage chain the proxy solvers and the plan records speak in; every repeated
+3. *record*: one step's allocation events for the replay (``autockpt/costs/record.py``).
+4. *chain*: the stage chain the proxy solvers and the plan records speak in; every repeated
    block's boundaries are cuts, so the per-block hand plan is always in the plan space.
-4. *record*: one step's allocation events for the replay (``autockpt/costs/record.py``).
 5. *rank terms*: under sharding, what a rank keeps (``autockpt/planning/sharding.py``).
+
+With the training loop's optimizer (and gradient accumulation) the recorded step is one
+training iteration from steady state, and the stage chain's static part holds what it keeps
+resident: one memory model for the whole iteration.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from torch import nn
 
 from autockpt.base.inputs import Inputs
 from autockpt.base.precision import Precision
-from autockpt.base.runtime import LossFn, device_of
+from autockpt.base.runtime import LossFn, device_of, release_freed_heap
 from autockpt.capture.captured import Capture
 from autockpt.costs.blocks import (
     PerBlockPlan,
@@ -45,7 +49,7 @@ from autockpt.costs.blocks import (
 )
 from autockpt.costs.problem import Chain, StageRange, build_chain
 from autockpt.costs.profile import Profile, profile
-from autockpt.costs.record import record_trace
+from autockpt.costs.record import ACCUMULATED_GRADIENTS, OPTIMIZER_STATE, record_trace
 from autockpt.plan import RankMemory
 from autockpt.planning.sharding import Sharding, check_units_called, rank_problem
 from solvers import ChainProblem
@@ -90,6 +94,10 @@ class Request:
     """The user's leaf modules (FSDP units are added to them: :attr:`leaves`)."""
     max_stages: int
     sharding: Sharding
+    optimizer: torch.optim.Optimizer | None = None
+    """The training loop's optimizer: the budget covers its state and its step (the whole
+    iteration from steady state; NOTE [record: optimizer step])."""
+    accumulation_steps: int = 1
 
     @property
     def leaves(self) -> tuple[str, ...]:
@@ -116,7 +124,8 @@ class Prepared:
     single_problem: ChainProblem
     """The stage problem of one unsharded process (``chain.problem`` unless sharded)."""
     trace: MemoryTrace
-    """One step's allocation events: what the replay (the one memory model) replays."""
+    """One step's allocation events: what the replay (the one memory model) replays (with
+    an optimizer, one training iteration's)."""
     rank_memory: RankMemory | None
     blocks: RepeatedBlocks | None
     per_block: PerBlockPlan | None
@@ -191,22 +200,35 @@ def prepare(
     sharding = request.sharding
     check_units_called(captured, sharding.units)
     phases.start("profile", "profiling (fake tensors, then node by node on the device)")
-    prof = profile(model, captured, inputs, loss_fn=request.loss_fn)
+    prof = profile(model, captured, inputs, loss_fn=request.loss_fn, optimizer=request.optimizer)
+    release_freed_heap()  # the probe's real tensors are gone: so are their pages
     blocks = find_repeated_blocks(model)
+    # The plan simulator: one step's allocations (fake tensors plus measured workspaces),
+    # replayed under each plan; with an optimizer, one training iteration's.
+    phases.start("record", "recording one step on fake tensors for the plan simulator")
+    trace = record_trace(
+        model,
+        captured,
+        inputs,
+        loss_fn=request.loss_fn,
+        profile=prof,
+        optimizer=request.optimizer,
+        accumulation_steps=request.accumulation_steps,
+    )
+    resident = dict(trace.resident)
     chain = build_chain(
         captured,
         prof,
         max_stages=request.max_stages,
+        # what the stage proxy's static part holds besides parameters, buffers and inputs:
+        # the optimizer's state, the gradients a micro-batch accumulates into
+        static_bytes=prof.static_bytes + sum(resident.values()),
         segment_overhead_seconds=prof.segment_overhead_seconds,
         # every repeated block's boundaries are cuts: the per-block hand plan is
         # always in the plan space (autockpt/costs/blocks.py)
         required_cuts=block_cut_positions(captured, blocks),
     )
     chain = scope_chain(chain, request.scope, prof.static_bytes)
-    # The plan simulator: one step's allocations (fake tensors plus measured workspaces),
-    # replayed under each plan.
-    phases.start("record", "recording one step on fake tensors for the plan simulator")
-    trace = record_trace(model, captured, inputs, loss_fn=request.loss_fn, profile=prof)
     # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not the
     # activations: the stage model gets the per-rank terms, and each simulated
     # single-process peak is moved to a rank by the stage model's difference.
@@ -223,6 +245,8 @@ def prepare(
             gradients=prof.param_grad_bytes,
             buffers=prof.buffer_bytes,
             inputs=prof.input_bytes,
+            optimizer_state=resident.get(OPTIMIZER_STATE, 0),
+            accumulated_gradients=resident.get(ACCUMULATED_GRADIENTS, 0),
         )
         if request.scope == "total":  # sharding changes only what "activations" leaves out
             chain = dataclasses.replace(chain, problem=sharded)

@@ -207,6 +207,8 @@ def rank_problem(
     gradients: int,
     buffers: int,
     inputs: int,
+    optimizer_state: int = 0,
+    accumulated_gradients: int = 0,
 ) -> tuple[ChainProblem, RankMemory]:
     """The single-process chain ``problem`` rewritten for one rank under ``sharding``.
 
@@ -215,9 +217,14 @@ def rank_problem(
     keeps, and the engines' buffers are added (see the module docstring), plus
     :data:`RANK_MARGIN_BYTES` for the process group's own small tensors. Returns the
     per-rank problem and the breakdown recorded in the plan.
+
+    ``optimizer_state`` and ``accumulated_gradients`` (in the static part when the budget
+    covers the optimizer, or gradient accumulation) are whole on a DDP rank and a shard each
+    on an FSDP rank (FSDP2 keeps sharded gradients between micro-batches, and its optimizer
+    steps the shards).
     """
     n = sharding.world_size
-    rest = problem.static_bytes - parameters  # buffers, inputs, output tail
+    rest = problem.static_bytes - parameters  # buffers, inputs, output tail, resident
     if sharding.mode == "ddp":
         buckets = gradients
         # broadcast_buffers (DDP's default) copies every buffer into one flat tensor at the
@@ -231,7 +238,8 @@ def rank_problem(
             buckets=buckets,
             gathered_parameters=0,
             reduce_scatter=0,
-            static=parameters + buckets + buffers + inputs,
+            static=parameters + buckets + buffers + inputs + optimizer_state,
+            optimizer_state=optimizer_state,
         )
         problem = dataclasses.replace(
             problem,
@@ -246,6 +254,8 @@ def rank_problem(
         split.root_bytes, n
     )
     gathered = 2 * largest + split.root_bytes  # current + prefetched unit; the root stays full
+    sharded_resident = _shard(optimizer_state, n) + _shard(accumulated_gradients, n)
+    rest -= optimizer_state + accumulated_gradients - sharded_resident
     nodes = capture.compute_nodes()
     unit_of_node = {
         i: str(node.target)
@@ -287,7 +297,8 @@ def rank_problem(
             [2 * b + _shard(b, n) for b in split.unit_bytes.values()]
             + [split.root_bytes + _shard(split.root_bytes, n)]
         ),
-        static=local_params + buffers + inputs,
+        static=local_params + buffers + inputs + _shard(optimizer_state, n),
+        optimizer_state=_shard(optimizer_state, n),
     )
     problem = dataclasses.replace(
         problem,

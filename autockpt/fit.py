@@ -1,0 +1,372 @@
+"""The batch that fits: the largest (or fastest) batch size whose training iteration fits the
+budget, answered from predictions, without an out-of-memory trial.
+
+Why not the usual way: batch finders (Lightning's ``scale_batch_size``, accelerate's
+``find_executable_batch_size``) run real steps until one fails, which costs out-of-memory
+errors and knows nothing of checkpointing. autockpt predicts the peak of any plan of a step
+it never runs (fake tensors, one node at a time on the device), so a size *fits* when its
+leanest plan's predicted peak (``Planner.minimum_peak_bytes``) is within the budget, and a
+size is judged without running a step at it. Only the answer's plan runs, once, to verify
+it (as ``optimize`` verifies its plan).
+
+How the sizes are searched (:class:`_Sizes`): memory grows with the size, about linearly (the
+activations, the inputs); the fixed part (parameters, buffers, gradients, the optimizer's
+state) does not. The first guess extrapolates from the smallest size through that fixed
+part; later guesses interpolate between the largest size that fits and the smallest that
+does not (the secant), falling back to halving the interval, until they are one
+``multiple_of`` apart. A size above the answer is therefore always planned and found not to
+fit: the answer's neighbour is checked, never assumed. The search assumes the peak grows
+with the size (a model that pads to buckets may break that); ``max_batch_size`` bounds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.api import Planner, check_budget_gb
+from autockpt.base.inputs import Inputs
+from autockpt.base.runtime import LossFn
+from autockpt.costs.problem import DEFAULT_MAX_STAGES
+from autockpt.costs.record import ACCUMULATED_GRADIENTS
+from autockpt.errors import GIB, BatchSizeError, InfeasibleBudgetError
+from autockpt.plan import Plan
+from autockpt.planning.prepared import ProgressFn
+from solvers import replay
+
+__all__ = ["OBJECTIVES", "BatchCandidate", "BatchFit", "fit_batch"]
+
+OBJECTIVES = ("largest", "throughput")
+_MAX_PLANS = 16
+"""Sizes planned at most before the search settles for the largest one known to fit."""
+
+
+@dataclass(frozen=True)
+class BatchCandidate:
+    """One size the search planned: the leanest plan's predicted peak there (whether it fits
+    the budget), and, where it fits, the predicted step of the plan chosen at the budget and
+    the samples per second that gives."""
+
+    size: int
+    minimum_peak_bytes: int
+    fits: bool
+    predicted_step_seconds: float | None = None
+    samples_per_second: float | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class BatchFit:
+    """The answer of :func:`fit_batch`: the size, the model optimized at it (the optimizer in
+    the budget when given), its plan, and every size planned on the way."""
+
+    batch_size: int
+    model: nn.Module
+    plan: Plan
+    objective: str
+    candidates: tuple[BatchCandidate, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def samples_per_second(self) -> float:
+        """Predicted samples per second of the answer's plan."""
+        return self.batch_size / self.plan.predicted_step_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        """The numbers, for JSON (the model is left out)."""
+        return {
+            "batch_size": self.batch_size,
+            "objective": self.objective,
+            "budget_bytes": self.plan.budget_bytes,
+            "predicted_peak_bytes": self.plan.predicted_peak_bytes,
+            "measured_peak_bytes": self.plan.measured_peak_bytes,
+            "predicted_step_seconds": self.plan.predicted_step_seconds,
+            "samples_per_second": self.samples_per_second,
+            "candidates": [dataclasses.asdict(c) for c in self.candidates],
+            "notes": list(self.notes),
+        }
+
+
+def fit_batch(
+    model: nn.Module,
+    make_inputs: Callable[[int], Any],
+    *,
+    budget_gb: float,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: LossFn | None = None,
+    objective: str = "largest",
+    multiple_of: int = 1,
+    max_batch_size: int | None = None,
+    accumulation_steps: int = 1,
+    solver: str = "auto",
+    time_limit_s: float = 30.0,
+    verify: bool = True,
+    selective: bool = True,
+    leaf_modules: Iterable[str] = (),
+    max_stages: int = DEFAULT_MAX_STAGES,
+    world_size: int = 1,
+    sharding: str | None = None,
+    fsdp_units: Iterable[str] | None = None,
+    progress: ProgressFn | None = None,
+) -> BatchFit:
+    """The batch size ``n`` (a multiple of ``multiple_of``) that fits ``budget_gb``, with
+    ``model`` optimized at it.
+
+    ``make_inputs(n)`` returns example inputs for size ``n`` (a batch size, or a sequence
+    length: the caller decides what ``n`` scales). ``objective="largest"``: the largest size
+    whose leanest plan fits (``n + multiple_of`` does not, which the search checks).
+    ``objective="throughput"``: among the sizes that fit (the largest and smaller ones), the
+    one whose plan at the budget is predicted to train the most samples per second (a larger
+    batch with more recompute against a smaller one with less). The answer is optimized like
+    :func:`autockpt.optimize` does (its step measured when ``verify``).
+
+    With ``optimizer`` the budget covers the whole training iteration (its state and step);
+    under ``sharding`` the size is one rank's batch and the budget per rank. Raises
+    :class:`InfeasibleBudgetError` when even ``multiple_of`` does not fit, and
+    :class:`BatchSizeError` when ``make_inputs`` fails or its inputs do not change with ``n``.
+    See the module docstring for how sizes are searched and what it assumes.
+    """
+    budget_gb = check_budget_gb(budget_gb)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    multiple_of = _positive_int("multiple_of", multiple_of)
+    if max_batch_size is not None:
+        max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        if max_batch_size < multiple_of:
+            raise ValueError(
+                f"max_batch_size ({max_batch_size}) is below multiple_of ({multiple_of})"
+            )
+    if not callable(make_inputs):
+        raise BatchSizeError(
+            f"make_inputs must be a function of the size n returning example inputs, got "
+            f"{type(make_inputs).__name__}"
+        )
+    options = {
+        "optimizer": optimizer,
+        "loss_fn": loss_fn,
+        "accumulation_steps": accumulation_steps,
+        "leaf_modules": tuple(leaf_modules),
+        "max_stages": max_stages,
+        "world_size": world_size,
+        "sharding": sharding,
+        "fsdp_units": fsdp_units,
+    }
+    sizes = _Sizes(
+        model,
+        make_inputs,
+        int(budget_gb * GIB),
+        multiple_of,
+        max_batch_size,
+        options,
+        solver=solver,
+        time_limit_s=time_limit_s,
+        selective=selective,
+        progress=progress or (lambda what: None),
+    )
+    answer = sizes.largest()
+    if objective == "throughput":
+        answer = sizes.fastest(answer)
+    sizes.progress(f"optimizing at size {answer.size}")
+    result = answer.planner.optimize(
+        budget_gb=budget_gb,
+        solver=solver,
+        time_limit_s=time_limit_s,
+        verify=verify,
+        selective=selective,
+    )
+    return BatchFit(
+        batch_size=answer.size,
+        model=result,
+        plan=result.plan,
+        objective=objective,
+        candidates=tuple(sorted(sizes.candidates.values(), key=lambda c: c.size)),
+        notes=tuple(sizes.notes),
+    )
+
+
+@dataclass
+class _Planned:
+    size: int
+    planner: Planner
+    inputs: Inputs
+
+    @property
+    def minimum(self) -> int:
+        return self.planner.minimum_peak_bytes
+
+
+class _Sizes:
+    """The sizes planned so far, and the search over them (module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_inputs: Callable[[int], Any],
+        budget_bytes: int,
+        multiple_of: int,
+        max_batch_size: int | None,
+        options: dict[str, Any],
+        *,
+        solver: str,
+        time_limit_s: float,
+        selective: bool,
+        progress: ProgressFn,
+    ) -> None:
+        self.model, self.make_inputs, self.budget = model, make_inputs, budget_bytes
+        self.multiple_of, self.cap = multiple_of, max_batch_size
+        self.options, self.progress = options, progress
+        self.solver, self.time_limit_s, self.selective = solver, time_limit_s, selective
+        self.candidates: dict[int, BatchCandidate] = {}
+        self.fitting: dict[int, _Planned] = {}  # planners of the sizes that fit, kept
+        self.notes: list[str] = []
+        self.signatures: dict[int, str] = {}
+
+    def plan(self, size: int) -> _Planned:
+        """A planner at ``size``, and its candidate row (the solve at the budget, if any)."""
+        self.progress(f"planning at size {size}")
+        try:
+            example = self.make_inputs(size)
+        except Exception as error:
+            raise BatchSizeError(
+                f"make_inputs({size}) raised {type(error).__name__}: {error}"
+            ) from error
+        inputs = Inputs.of(example)
+        signature = inputs.signature()
+        same = [n for n, s in self.signatures.items() if s == signature]
+        if same:
+            raise BatchSizeError(
+                f"make_inputs({same[0]}) and make_inputs({size}) return inputs of the same "
+                f"shapes ({signature}): make_inputs(n) must build inputs of size n"
+            )
+        self.signatures[size] = signature
+        planner = Planner(self.model, example, **self.options)
+        fits = planner.minimum_peak_bytes <= self.budget
+        row = BatchCandidate(size, planner.minimum_peak_bytes, fits)
+        if fits:
+            solution = planner.solve(
+                self.budget,
+                solver=self.solver,
+                time_limit_s=self.time_limit_s,
+                selective=self.selective,
+            )
+            step = planner.step_seconds + planner.recompute_seconds(
+                solution.segments, solution.kept or ()
+            )
+            row = dataclasses.replace(
+                row,
+                predicted_step_seconds=step,
+                samples_per_second=size / step if step > 0 else None,
+            )
+        self.candidates[size] = row
+        planned = _Planned(size, planner, inputs)
+        if fits:
+            self.fitting[size] = planned
+        return planned
+
+    def largest(self) -> _Planned:
+        """The largest size that fits (module docstring); raises InfeasibleBudgetError when
+        even ``multiple_of`` does not."""
+        m = self.multiple_of
+        low = self.plan(m)
+        if low.minimum > self.budget:
+            raise InfeasibleBudgetError(
+                self.budget,
+                low.minimum,
+                low.planner.breakdown,
+                "total",
+                f"Even a batch of {m} does not fit: its leanest plan needs the minimum stated. "
+                "Raise the budget, shrink what checkpointing cannot touch (parameters, the "
+                "optimizer's state: a lighter optimizer, sharding), or shorten the sequence.",
+            )
+        high: _Planned | None = None
+        for _ in range(_MAX_PLANS - 1):
+            if self.cap is not None and low.size + m > self.cap:
+                self.notes.append(
+                    f"max_batch_size {self.cap} reached while the batch still fits: larger "
+                    "ones were not tried"
+                )
+                return low
+            if high is not None and high.size - low.size <= m:
+                return low
+            guess = self._guess(low, high)
+            planned = self.plan(guess)
+            if planned.minimum <= self.budget:
+                low = planned
+            else:
+                high = planned
+        self.notes.append(f"stopped after planning {_MAX_PLANS} sizes")
+        return low
+
+    def _guess(self, low: _Planned, high: _Planned | None) -> int:
+        """The next size to plan: where a straight line through what is known reaches the
+        budget, inside ``(low, high)``, a multiple of ``multiple_of``. The line is the secant
+        between the two sizes that bracket the answer (or the two largest that fit); from
+        one size alone, the line through the part that does not grow with the size."""
+        m = self.multiple_of
+        below = sorted(p.size for p in self.fitting.values() if p.size < low.size)
+        if high is not None:
+            slope = (high.minimum - low.minimum) / (high.size - low.size)
+        elif below:
+            other = self.fitting[below[-1]]
+            slope = (low.minimum - other.minimum) / (low.size - other.size)
+        else:
+            slope = _growth_per_size(low.planner, low.size)
+        estimate = low.size + (self.budget - low.minimum) / max(slope, 1e-9)
+        guess = m * math.floor(estimate / m)
+        if guess <= low.size:
+            guess = low.size + m  # the neighbour above the best so far
+        if high is not None:
+            guess = min(guess, high.size - m)
+        if self.cap is not None:
+            guess = min(guess, m * (self.cap // m))
+        if guess in self.candidates:  # the line repeats itself: halve the interval instead
+            top = high.size if high is not None else 2 * low.size
+            guess = max(low.size + m, m * ((low.size + top) // (2 * m)))
+        return guess
+
+    def fastest(self, largest: _Planned) -> _Planned:
+        """Among the sizes that fit (the largest, about three quarters and half of it, and
+        any planned on the way), the one with the most predicted samples per second. A size
+        planned on the way within an eighth of the largest of a target stands in for it."""
+        m = self.multiple_of
+        for fraction in (0.75, 0.5):
+            target = fraction * largest.size
+            near = [n for n in self.fitting if abs(n - target) <= largest.size / 8]
+            size = max(m, m * round(target / m))
+            if not near and size not in self.candidates:
+                self.plan(size)
+        fitting = [c for c in self.candidates.values() if c.fits and c.samples_per_second]
+        best = max(fitting, key=lambda c: (c.samples_per_second, c.size))
+        return self.fitting[best.size]
+
+
+def _growth_per_size(planner: Planner, size: int) -> float:
+    """How much the leanest plan's peak grows per unit of size, judged from one size: its
+    forward and backward peak (the optimizer's step, which does not grow, left out) above
+    what does not grow with the size (parameters, buffers, their gradients, the optimizer's
+    state), spread over the size. It errs high (the activations of a small size are no
+    smaller than linear), so the first guess lands below the answer, where a planner is not
+    wasted: the secant through it and the first size is then close."""
+    prof = planner.__dict__.get("profile")
+    if prof is None:  # planned inside a submodule: the line through the origin
+        return planner.minimum_peak_bytes / size
+    lean = planner.search.leanest()
+    node_ranges, stash = planner.predictor.node_ranges(lean.segments)
+    curve = replay.timeline(planner.trace, node_ranges, stash, lean.kept or None)
+    working = max(b for phase, _, b in curve if phase != replay.OPTIMIZER)
+    resident = dict(planner.trace.resident)
+    gradients = resident.pop(ACCUMULATED_GRADIENTS, prof.param_grad_bytes)
+    fixed = prof.param_bytes + prof.buffer_bytes + gradients + sum(resident.values())
+    return max(working - fixed, prof.input_bytes, 1) / size
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
