@@ -250,6 +250,10 @@ class Planner:
     budgets (a frontier, a benchmark) without profiling again. The predicted range is
     ``minimum_peak_bytes`` (the leanest plan) to ``no_checkpoint_peak_bytes``.
 
+    ``probe=False`` plans from shapes alone: no node runs on the device, so kernel
+    workspaces are unknown (every prediction is then a lower bound of the real peak) and
+    times are the cost model's. ``fit_batch`` judges sizes far from its answer this way.
+
     The planner composes three parts (``autockpt/planning/``): a frozen :class:`Prepared`
     (capture, profile, chain, recorded step, rank terms; :attr:`prepared`), the
     :class:`Predictor` (the one memory model and scope rule; :attr:`predictor`) and the
@@ -272,6 +276,7 @@ class Planner:
         progress: ProgressFn | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         accumulation_steps: int = 1,
+        probe: bool = True,
     ) -> None:
         model, self._hand_back = unwrap(model)
         self.progress: ProgressFn = progress or (lambda stage: None)
@@ -293,6 +298,7 @@ class Planner:
             self.sharding,
             self.optimizer,
             accumulation_steps,
+            probe,
         )
         self._phases = Phases(self.progress)
         self.phase_seconds: dict[str, float] = self._phases.seconds

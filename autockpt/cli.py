@@ -61,6 +61,10 @@ BENCHMARKS = {
         "planning's own resident memory and time against the "
         "budget, the plan's peak and one eager step",
     ),
+    "fit": (
+        "benchmarks.fit",
+        "the largest batch under a budget: autockpt's fit_batch against measuring by hand",
+    ),
     "survey": (
         "benchmarks.survey",
         "every Hugging Face architecture built from a config: "
@@ -197,7 +201,7 @@ def _iteration_options(command: argparse.ArgumentParser) -> None:
 
 def _build_optimizer(name: str | None, model: Any) -> Any:
     """The optimizer ``--optimizer NAME`` (or a plan's ``optimizer.name``) stands for."""
-    if name is None:
+    if name is None or name == "none":
         return None
     import torch
 
@@ -236,6 +240,18 @@ def _parser() -> argparse.ArgumentParser:
         help="budget in GiB (default: halfway between the leanest plan and none)",
     )
     demo.add_argument("--solver", choices=SOLVERS, default="auto")
+    demo.add_argument(
+        "--optimizer",
+        choices=(*OPTIMIZERS, "none"),
+        default="adamw",
+        help="the optimizer the loop steps (default adamw; none: forward and backward only)",
+    )
+    demo.add_argument("--no-fit", action="store_true", help="skip the largest-batch comparison")
+    demo.add_argument(
+        "--meta",
+        action="store_true",
+        help="plan on the meta device (sizes too big for this machine): nothing is run",
+    )
     _common(demo)
     demo.set_defaults(run=_demo)
 
@@ -536,76 +552,123 @@ def _call_factory(spec: str, factory: Callable[..., Any], *args: Any) -> tuple[A
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    import autockpt
     from autockpt.api import Planner
-    from autockpt.demo import block_stack
+    from autockpt.demo import block_stack, checkpoint_every_block, largest_by_measuring
     from autockpt.errors import GIB, format_bytes
     from autockpt.measure import measure
 
-    model, x = block_stack(blocks=args.blocks, width=args.width, batch=args.batch)
+    device = "meta" if args.meta else "cpu"
+    model, x = block_stack(blocks=args.blocks, width=args.width, batch=args.batch, device=device)
+    optimizer = _build_optimizer(args.optimizer, model)
+
+    def rows(n: int) -> torch.Tensor:  # the workload's input at another batch size
+        torch.manual_seed(n)
+        return torch.randn(n, args.width, requires_grad=True, device=device)
+
     say = _say(args)
+    loop = f"; the loop steps {type(optimizer).__name__}" if optimizer is not None else ""
     say(
         f"seed workload: {args.blocks} blocks of Linear({args.width}->{2 * args.width})->ReLU->"
-        f"Linear({2 * args.width}->{args.width}), batch {args.batch}"
+        f"Linear({2 * args.width}->{args.width}), batch {args.batch}{loop}"
     )
     # Two progress phases, so that the breakdown prints between them (never under a live bar).
     with Progress.for_args(args) as progress:
-        planner = Planner(model, x, progress=progress.stage)
+        planner = Planner(model, x, progress=progress.stage, optimizer=optimizer)
     prof = planner.profile
-    say("memory breakdown:")
+    what = "one training iteration" if optimizer is not None else "one forward and backward"
+    say(f"memory breakdown of {what}:")
     for name, value in planner.breakdown.items():
         say(f"  {name:<36} {format_bytes(value):>12}")
     say(
-        f"  {'predicted peak without checkpointing':<36} {format_bytes(planner.no_checkpoint_peak_bytes):>12}"
+        f"  {'predicted peak without checkpointing':<36} "
+        f"{format_bytes(planner.no_checkpoint_peak_bytes):>12}"
     )
     budget_gb = args.budget_gb
     if budget_gb is None:
         budget_gb = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2 / GIB
-    static = prof.param_bytes + prof.param_grad_bytes
+    static = planner.no_checkpoint_peak_bytes - prof.saved_bytes()
     activations = prof.saved_bytes()
     if activations < 0.05 * static:
         say(
-            f"note: parameters + gradients are {format_bytes(static)} and saved activations only "
-            f"{format_bytes(activations)}: checkpointing can save at most "
-            f"{100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of the peak here."
+            f"note: saved activations are {format_bytes(activations)} of a "
+            f"{format_bytes(planner.no_checkpoint_peak_bytes)} peak: checkpointing can save at "
+            f"most {100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of it here."
         )
+    report: dict[str, Any] = {}
     with Progress.for_args(args) as progress:
         planner.progress = progress.stage
         fast = planner.optimize(budget_gb=budget_gb, solver=args.solver)
         plan = fast.plan
-        progress.stage("measuring")
-        eager = measure(model, x)
-        checked = measure(fast, x)
+        if not args.meta:
+            progress.stage("measuring")
+            eager = measure(model, x, optimizer=optimizer)
+            checked = measure(fast, x, optimizer=optimizer)
+        if not args.no_fit:
+            progress.stage("the largest batch that fits")
+            fit = autockpt.fit_batch(
+                model, rows, budget_gb=budget_gb, optimizer=optimizer, progress=progress.stage
+            )
+            report["largest_batch"] = {"autockpt": fit.batch_size}
+            if not args.meta:
+                hand = checkpoint_every_block(model)
+                hand_optimizer = _build_optimizer(args.optimizer, hand)
+                for name, module, opt in (
+                    ("per_block", hand, hand_optimizer),
+                    ("none", model, optimizer),
+                ):
+                    progress.stage(f"trying batch sizes by hand ({name})")
+                    size, runs = largest_by_measuring(
+                        lambda n, m=module, o=opt: (
+                            measure(m, rows(n), optimizer=o, repeat=0).peak_bytes
+                        ),
+                        plan.budget_bytes,
+                        start=args.batch,
+                    )
+                    report["largest_batch"][name] = size
+                    report["largest_batch"][f"{name}_steps_run"] = runs
     say("")
     say(plan.summary())
-    say("")
-    say(f"{'':<16}{'peak':>12}{'step':>12}")
-    say(
-        f"{'no checkpoint':<16}{format_bytes(eager.peak_bytes):>12}{eager.step_seconds * 1e3:>10.1f}ms"
-    )
-    say(
-        f"{'autockpt plan':<16}{format_bytes(checked.peak_bytes):>12}{checked.step_seconds * 1e3:>10.1f}ms"
-    )
-    say(f"{'budget':<16}{format_bytes(plan.budget_bytes):>12}")
-    fits = checked.peak_bytes <= plan.budget_bytes
-    say(
-        f"measured peak {'fits' if fits else 'EXCEEDS'} the budget "
-        f"({100 * checked.peak_bytes / plan.budget_bytes:.1f}% of it); step time "
-        f"{checked.step_seconds / eager.step_seconds:.2f}x of no checkpointing"
-    )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "plan": json.loads(plan.to_json()),
-                    "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": eager.step_seconds},
-                    "optimized": {
-                        "peak_bytes": checked.peak_bytes,
-                        "step_seconds": checked.step_seconds,
-                    },
-                    "fits": fits,
-                }
-            )
+    fits = True
+    if not args.meta:
+        say("")
+        say(f"{'':<16}{'peak':>12}{'step':>12}")
+        for label, m in (("no checkpoint", eager), ("autockpt plan", checked)):
+            say(f"{label:<16}{format_bytes(m.peak_bytes):>12}{m.step_seconds * 1e3:>10.1f}ms")
+        say(f"{'budget':<16}{format_bytes(plan.budget_bytes):>12}")
+        fits = checked.peak_bytes <= plan.budget_bytes
+        say(
+            f"measured peak {'fits' if fits else 'EXCEEDS'} the budget "
+            f"({100 * checked.peak_bytes / plan.budget_bytes:.1f}% of it); step time "
+            f"{checked.step_seconds / eager.step_seconds:.2f}x of no checkpointing"
         )
+        report |= {
+            "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": eager.step_seconds},
+            "optimized": {"peak_bytes": checked.peak_bytes, "step_seconds": checked.step_seconds},
+        }
+    if "largest_batch" in report:
+        largest = report["largest_batch"]
+        say("")
+        say(f"the largest batch {format_bytes(plan.budget_bytes)} holds:")
+        say(
+            f"  autockpt fit_batch                 {largest['autockpt']:>6}  (predicted, no "
+            f"step tried; verified: {format_bytes(fit.plan.measured_peak_bytes or 0)})"
+            if not args.meta
+            else f"  autockpt fit_batch                 {largest['autockpt']:>6}  (predicted)"
+        )
+        if "per_block" in largest:
+            say(
+                f"  every block checkpointed by hand   {largest['per_block']:>6}  (found by "
+                f"running {largest['per_block_steps_run']} sizes)"
+            )
+            say(
+                f"  no checkpointing                   {largest['none']:>6}  (found by "
+                f"running {largest['none_steps_run']} sizes)"
+            )
+    if args.json:
+        print(json.dumps({"plan": json.loads(plan.to_json()), **report, "fits": fits}))
     return EXIT_OK if fits else EXIT_VERIFY
 
 

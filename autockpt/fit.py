@@ -9,13 +9,22 @@ leanest plan's predicted peak (``Planner.minimum_peak_bytes``) is within the bud
 size is judged without running a step at it. Only the answer's plan runs, once, to verify
 it (as ``optimize`` verifies its plan).
 
-How the sizes are searched (:class:`_Sizes`): memory grows with the size, about linearly (the
-activations, the inputs); the fixed part (parameters, buffers, gradients, the optimizer's
-state) does not. The first guess extrapolates from the smallest size through that fixed
-part; later guesses interpolate between the largest size that fits and the smallest that
-does not (the secant), falling back to halving the interval, until they are one
-``multiple_of`` apart. A size above the answer is therefore always planned and found not to
-fit: the answer's neighbour is checked, never assumed. The search assumes the peak grows
+How the sizes are searched (:class:`_Sizes`), in two stages:
+
+1. *From shapes alone* (``Planner(..., probe=False)``: the fake step and the search, no node
+   run on the device). Kernel workspaces only add to a plan's peak, so a size whose shapes
+   already put its leanest plan over the budget does not fit. Memory grows with the size,
+   about linearly (the activations, the inputs), while the fixed part (parameters, buffers,
+   gradients, the optimizer's state) does not: the first guess extrapolates from the
+   smallest size through that fixed part, later ones interpolate between the largest size
+   that fits and the smallest that does not (the secant), falling back to halving, until
+   they are one ``multiple_of`` apart.
+2. *In full* at the candidate: the probe measures its workspaces and times. Should they put
+   it over, stage 1 runs again under the budget less what they added. The size above the
+   answer is judged too: it does not fit in shapes alone, or, planned in full, it does not
+   fit (the neighbour is checked, never assumed).
+
+Only the answer's plan runs a real step, to verify it. The search assumes the peak grows
 with the size (a model that pads to buckets may break that); ``max_batch_size`` bounds it.
 """
 
@@ -59,6 +68,9 @@ class BatchCandidate:
     fits: bool
     predicted_step_seconds: float | None = None
     samples_per_second: float | None = None
+    estimated: bool = False
+    """Judged from shapes alone (no node run: kernel workspaces unknown), the leanest peak
+    then a lower bound: enough to tell that a size does not fit."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -172,14 +184,26 @@ def fit_batch(
     answer = sizes.largest()
     if objective == "throughput":
         answer = sizes.fastest(answer)
-    sizes.progress(f"optimizing at size {answer.size}")
-    result = answer.planner.optimize(
-        budget_gb=budget_gb,
-        solver=solver,
-        time_limit_s=time_limit_s,
-        verify=verify,
-        selective=selective,
-    )
+    for _ in range(_MAX_PLANS):
+        sizes.progress(f"optimizing at size {answer.size}")
+        try:
+            result = answer.planner.optimize(
+                budget_gb=budget_gb,
+                solver=solver,
+                time_limit_s=time_limit_s,
+                verify=verify,
+                selective=selective,
+            )
+            break
+        except InfeasibleBudgetError:
+            # measured above its prediction right at the minimum: the size below fits
+            if answer.size <= multiple_of:
+                raise
+            sizes.notes.append(
+                f"size {answer.size} measured above its leanest plan's prediction; "
+                f"{answer.size - multiple_of} returned"
+            )
+            answer = sizes.plan(answer.size - multiple_of, full=True)
     return BatchFit(
         batch_size=answer.size,
         model=result,
@@ -223,13 +247,13 @@ class _Sizes:
         self.options, self.progress = options, progress
         self.solver, self.time_limit_s, self.selective = solver, time_limit_s, selective
         self.candidates: dict[int, BatchCandidate] = {}
-        self.fitting: dict[int, _Planned] = {}  # planners of the sizes that fit, kept
+        self.shapes: dict[int, _Planned] = {}  # planned from shapes alone
+        self.full: dict[int, _Planned] = {}  # planned in full
         self.notes: list[str] = []
-        self.signatures: dict[int, str] = {}
+        self.inputs: dict[int, Inputs] = {}
 
-    def plan(self, size: int) -> _Planned:
-        """A planner at ``size``, and its candidate row (the solve at the budget, if any)."""
-        self.progress(f"planning at size {size}")
+    def example(self, size: int) -> Any:
+        """``make_inputs(size)``, checked: it must not raise and must change with the size."""
         try:
             example = self.make_inputs(size)
         except Exception as error:
@@ -238,16 +262,31 @@ class _Sizes:
             ) from error
         inputs = Inputs.of(example)
         signature = inputs.signature()
-        same = [n for n, s in self.signatures.items() if s == signature]
+        same = [n for n, seen in self.inputs.items() if n != size and seen.signature() == signature]
         if same:
             raise BatchSizeError(
                 f"make_inputs({same[0]}) and make_inputs({size}) return inputs of the same "
                 f"shapes ({signature}): make_inputs(n) must build inputs of size n"
             )
-        self.signatures[size] = signature
-        planner = Planner(self.model, example, **self.options)
-        fits = planner.minimum_peak_bytes <= self.budget
-        row = BatchCandidate(size, planner.minimum_peak_bytes, fits)
+        self.inputs[size] = inputs
+        return example
+
+    def plan(self, size: int, *, full: bool) -> _Planned:
+        """A planner at ``size``: in full (the probe runs: workspaces, measured times), or
+        from shapes alone (a lower bound of every plan's peak, the cost model's times)."""
+        cache = self.full if full else self.shapes
+        if size in cache:
+            return cache[size]
+        self.progress(f"planning at size {size}" + ("" if full else " (shapes alone)"))
+        planner = Planner(self.model, self.example(size), probe=full, **self.options)
+        planned = _Planned(size, planner, self.inputs[size])
+        fits = planned.minimum <= self.budget
+        if not full:
+            self.shapes[size] = planned
+            if size not in self.candidates or self.candidates[size].estimated:
+                self.candidates[size] = BatchCandidate(size, planned.minimum, fits, estimated=True)
+            return planned
+        row = BatchCandidate(size, planned.minimum, fits)
         if fits:
             solution = planner.solve(
                 self.budget,
@@ -263,61 +302,109 @@ class _Sizes:
                 predicted_step_seconds=step,
                 samples_per_second=size / step if step > 0 else None,
             )
+        self.full[size] = planned
         self.candidates[size] = row
-        planned = _Planned(size, planner, inputs)
-        if fits:
-            self.fitting[size] = planned
         return planned
 
     def largest(self) -> _Planned:
         """The largest size that fits (module docstring); raises InfeasibleBudgetError when
-        even ``multiple_of`` does not."""
+        even ``multiple_of`` does not.
+
+        Sizes are bracketed from shapes alone, where no node runs (workspaces only add to a
+        plan's peak, so a size whose shapes already put its leanest plan over the budget does
+        not fit); the answer is then planned in full, and while its workspaces put it over,
+        the bracket is searched again under the budget less what they added."""
         m = self.multiple_of
-        low = self.plan(m)
-        if low.minimum > self.budget:
-            raise InfeasibleBudgetError(
-                self.budget,
-                low.minimum,
-                low.planner.breakdown,
-                "total",
-                f"Even a batch of {m} does not fit: its leanest plan needs the minimum stated. "
-                "Raise the budget, shrink what checkpointing cannot touch (parameters, the "
-                "optimizer's state: a lighter optimizer, sharding), or shorten the sequence.",
-            )
-        high: _Planned | None = None
-        for _ in range(_MAX_PLANS - 1):
+        budget = self.budget
+        for _ in range(_MAX_PLANS):
+            size = self._bracket(budget)
+            if size == 0:
+                break
+            answer = self.plan(size, full=True)
+            if answer.minimum <= self.budget:
+                return self._above(answer)
+            extra = answer.minimum - self.shapes[size].minimum  # what the probe added
+            budget = min(budget, self.budget - extra) - 1
+        low = self.plan(m, full=True)
+        if low.minimum <= self.budget:
+            return self._above(low)
+        raise InfeasibleBudgetError(
+            self.budget,
+            low.minimum,
+            low.planner.breakdown,
+            "total",
+            f"Even a batch of {m} does not fit: its leanest plan needs the minimum stated. "
+            "Raise the budget, shrink what checkpointing cannot touch (parameters, the "
+            "optimizer's state: a lighter optimizer, sharding), or shorten the sequence.",
+        )
+
+    def _bracket(self, budget: int) -> int:
+        """The largest size whose leanest plan, from shapes alone, fits ``budget`` (0: not
+        even ``multiple_of``): the secant search of the module docstring."""
+        m = self.multiple_of
+        fitting = sorted(n for n, p in self.shapes.items() if p.minimum <= budget)
+        above = sorted(n for n, p in self.shapes.items() if p.minimum > budget)
+        if not fitting:
+            low = self.plan(m, full=False)
+            if low.minimum > budget:
+                return 0
+            fitting = [m]
+        low = self.shapes[fitting[-1]]
+        high = next((self.shapes[n] for n in above if n > low.size), None)
+        for _ in range(_MAX_PLANS):
             if self.cap is not None and low.size + m > self.cap:
                 self.notes.append(
                     f"max_batch_size {self.cap} reached while the batch still fits: larger "
                     "ones were not tried"
                 )
-                return low
+                return low.size
             if high is not None and high.size - low.size <= m:
-                return low
-            guess = self._guess(low, high)
-            planned = self.plan(guess)
-            if planned.minimum <= self.budget:
+                return low.size
+            planned = self.plan(self._guess(low, high, budget), full=False)
+            if planned.minimum <= budget:
                 low = planned
             else:
                 high = planned
-        self.notes.append(f"stopped after planning {_MAX_PLANS} sizes")
-        return low
+        self.notes.append(f"stopped after planning {_MAX_PLANS} sizes from shapes alone")
+        return low.size
 
-    def _guess(self, low: _Planned, high: _Planned | None) -> int:
+    def _above(self, answer: _Planned) -> _Planned:
+        """``answer``, once the size above it is known not to fit: from shapes alone when
+        they already put it over the budget, else planned in full (and then, should it fit
+        after all, the search goes on up one size at a time)."""
+        m = self.multiple_of
+        for _ in range(_MAX_PLANS):
+            above = answer.size + m
+            if self.cap is not None and above > self.cap:
+                if not any("max_batch_size" in note for note in self.notes):
+                    self.notes.append(
+                        f"max_batch_size {self.cap} reached while the batch still fits: "
+                        "larger ones were not tried"
+                    )
+                return answer
+            if self.plan(above, full=False).minimum > self.budget:
+                return answer
+            planned = self.plan(above, full=True)
+            if planned.minimum > self.budget:
+                return answer
+            answer = planned
+        return answer
+
+    def _guess(self, low: _Planned, high: _Planned | None, budget: int) -> int:
         """The next size to plan: where a straight line through what is known reaches the
         budget, inside ``(low, high)``, a multiple of ``multiple_of``. The line is the secant
         between the two sizes that bracket the answer (or the two largest that fit); from
         one size alone, the line through the part that does not grow with the size."""
         m = self.multiple_of
-        below = sorted(p.size for p in self.fitting.values() if p.size < low.size)
+        below = sorted(n for n, p in self.shapes.items() if n < low.size and p.minimum <= budget)
         if high is not None:
             slope = (high.minimum - low.minimum) / (high.size - low.size)
         elif below:
-            other = self.fitting[below[-1]]
+            other = self.shapes[below[-1]]
             slope = (low.minimum - other.minimum) / (low.size - other.size)
         else:
             slope = _growth_per_size(low.planner, low.size)
-        estimate = low.size + (self.budget - low.minimum) / max(slope, 1e-9)
+        estimate = low.size + (budget - low.minimum) / max(slope, 1e-9)
         guess = m * math.floor(estimate / m)
         if guess <= low.size:
             guess = low.size + m  # the neighbour above the best so far
@@ -325,25 +412,27 @@ class _Sizes:
             guess = min(guess, high.size - m)
         if self.cap is not None:
             guess = min(guess, m * (self.cap // m))
-        if guess in self.candidates:  # the line repeats itself: halve the interval instead
+        if guess in self.shapes:  # the line repeats itself: halve the interval instead
             top = high.size if high is not None else 2 * low.size
             guess = max(low.size + m, m * ((low.size + top) // (2 * m)))
         return guess
 
     def fastest(self, largest: _Planned) -> _Planned:
         """Among the sizes that fit (the largest, about three quarters and half of it, and
-        any planned on the way), the one with the most predicted samples per second. A size
-        planned on the way within an eighth of the largest of a target stands in for it."""
+        any planned in full on the way), the one with the most predicted samples per second
+        (sizes are planned in full for it: the probe's measured times)."""
         m = self.multiple_of
         for fraction in (0.75, 0.5):
-            target = fraction * largest.size
-            near = [n for n in self.fitting if abs(n - target) <= largest.size / 8]
-            size = max(m, m * round(target / m))
-            if not near and size not in self.candidates:
-                self.plan(size)
-        fitting = [c for c in self.candidates.values() if c.fits and c.samples_per_second]
+            size = max(m, m * round(fraction * largest.size / m))
+            if self.plan(size, full=True).minimum > self.budget:
+                continue  # a size that fits in shapes alone may not in full: skip it
+        fitting = [
+            c
+            for c in self.candidates.values()
+            if c.fits and c.samples_per_second and not c.estimated
+        ]
         best = max(fitting, key=lambda c: (c.samples_per_second, c.size))
-        return self.fitting[best.size]
+        return self.full[best.size]
 
 
 def _growth_per_size(planner: Planner, size: int) -> float:

@@ -106,11 +106,27 @@ def test_cli_fit_prints_the_answer(tmp_path):
         "    return model, torch.randn(4 * n, 64, requires_grad=True)\n"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "autockpt.cli", "fit", "fit_models:factory", "--budget-gb",
-         str(BUDGET / GIB), "--optimizer", "adamw", "--json", "--no-plot"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "autockpt.cli",
+            "fit",
+            "fit_models:factory",
+            "--budget-gb",
+            str(BUDGET / GIB),
+            "--optimizer",
+            "adamw",
+            "--json",
+            "--no-plot",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["measured_peak_bytes"] <= BUDGET and answer["batch_size"] >= 1
-    assert any(not c["fits"] and c["size"] == answer["batch_size"] + 1 for c in answer["candidates"])
+    assert any(
+        not c["fits"] and c["size"] == answer["batch_size"] + 1 for c in answer["candidates"]
+    )

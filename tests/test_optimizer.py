@@ -179,7 +179,10 @@ def test_bad_optimizers_are_refused_before_any_work(monkeypatch):
         )
     with pytest.raises(OptimizerError, match='scope="activations"'):
         autockpt.optimize(
-            model, inputs, budget_gb=1.0, scope="activations",
+            model,
+            inputs,
+            budget_gb=1.0,
+            scope="activations",
             optimizer=torch.optim.AdamW(model.parameters()),
         )
     with pytest.raises(OptimizerError, match="torch.optim.Optimizer"):
@@ -206,8 +209,12 @@ def test_a_subset_of_the_parameters_is_planned_for_what_it_holds():
 
 def test_fsdp_ranks_keep_a_shard_of_the_optimizer_state():
     problem = ChainProblem(
-        saved_bytes=[100, 100], input_bytes=[0, 10], forward_seconds=[1.0, 1.0],
-        budget_bytes=10**6, static_bytes=1000 + 4000, param_grad_bytes=(500, 500),
+        saved_bytes=[100, 100],
+        input_bytes=[0, 10],
+        forward_seconds=[1.0, 1.0],
+        budget_bytes=10**6,
+        static_bytes=1000 + 4000,
+        param_grad_bytes=(500, 500),
     )
     model, _ = gpt()
     kwargs = dict(parameters=1000, gradients=1000, buffers=0, inputs=0, optimizer_state=4000)

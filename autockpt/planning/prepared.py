@@ -98,6 +98,8 @@ class Request:
     """The training loop's optimizer: the budget covers its state and its step (the whole
     iteration from steady state; NOTE [record: optimizer step])."""
     accumulation_steps: int = 1
+    probe: bool = True
+    """Whether the profile's probe runs (False: shapes alone, a lower bound of the peak)."""
 
     @property
     def leaves(self) -> tuple[str, ...]:
@@ -200,7 +202,14 @@ def prepare(
     sharding = request.sharding
     check_units_called(captured, sharding.units)
     phases.start("profile", "profiling (fake tensors, then node by node on the device)")
-    prof = profile(model, captured, inputs, loss_fn=request.loss_fn, optimizer=request.optimizer)
+    prof = profile(
+        model,
+        captured,
+        inputs,
+        loss_fn=request.loss_fn,
+        optimizer=request.optimizer,
+        estimate_times=None if request.probe else True,
+    )
     release_freed_heap()  # the probe's real tensors are gone: so are their pages
     blocks = find_repeated_blocks(model)
     # The plan simulator: one step's allocations (fake tensors plus measured workspaces),
