@@ -65,7 +65,15 @@ from autockpt.rewrite.result import mark_verified_compiled
 from solvers import METHODS, InfeasibleError, Simulation, Solution
 from solvers.selective import keepable_nodes
 
-__all__ = ["SCOPES", "Planner", "ProgressFn", "apply", "check_budget_gb", "optimize"]
+__all__ = [
+    "SCOPES",
+    "Planner",
+    "ProgressFn",
+    "apply",
+    "budget_in_bytes",
+    "check_budget_gb",
+    "optimize",
+]
 
 
 def optimize(
@@ -207,6 +215,14 @@ def check_budget_gb(budget_gb: Any) -> float:
             ".no_checkpoint_peak_bytes, or `autockpt frontier`, show both."
         )
     return value
+
+
+def budget_in_bytes(budget_gb: float) -> int:
+    """A checked budget in whole bytes. A byte count stated as GiB (``minimum_peak_bytes /
+    2**30``) comes back as that count, where the float product may land a hair below it
+    (``int`` would then refuse the stated minimum by one byte); a fraction of a byte left
+    over is not budget."""
+    return math.floor(budget_gb * GIB + 1e-3)
 
 
 def _check_iteration(
@@ -503,7 +519,7 @@ class Planner:
         instead of recomputing them, where the replay shows that is cheaper within the
         budget (docs/design.md, "Selective recompute"); False: every segment recomputes
         everything inside it."""
-        budget_bytes = int(check_budget_gb(budget_gb) * GIB)
+        budget_bytes = budget_in_bytes(check_budget_gb(budget_gb))
         if self.nested is not None:
             return self._hand_back(
                 self.nested.optimize(

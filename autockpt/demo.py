@@ -12,6 +12,8 @@ batch by trying sizes until one does not fit (:func:`largest_by_measuring`). The
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,7 @@ __all__ = [
     "CheckpointedBlock",
     "block_stack",
     "checkpoint_every_block",
+    "interleaved_seconds",
     "largest_by_measuring",
     "seed_block_stack",
 ]
@@ -146,3 +149,20 @@ def largest_by_measuring(
         else:
             high = middle
     return low, runs
+
+
+def interleaved_seconds(steps: dict[str, Callable[[], None]], rounds: int = 5) -> dict[str, float]:
+    """Median seconds of each step over interleaved rounds: one untimed warm-up of each,
+    then every round times one run of every step, starting at a rotating position, as the
+    process's CPU time (on a shared machine wall time mostly measures who else runs; one
+    step timed alone is no result)."""
+    names = list(steps)
+    for name in names:
+        steps[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            begin = time.process_time()
+            steps[name]()
+            samples[name].append(time.process_time() - begin)
+    return {name: statistics.median(values) for name, values in samples.items()}

@@ -37,9 +37,9 @@ class InfeasibleBudgetError(AutockptError):
             "parameters and gradients across devices (FSDP)."
         )
         super().__init__(
-            f"budget {_fmt(budget_bytes)} (scope={scope}) is below the minimum feasible "
-            f"{self.minimum_gb:.4f} GiB ({minimum_bytes} bytes) that the leanest checkpoint "
-            f"plan needs. Breakdown: {parts}. {advice}"
+            f"budget {_fmt(budget_bytes)} ({self.budget_bytes} bytes, scope={scope}) is below "
+            f"the minimum feasible {self.minimum_gb:.9g} GiB ({self.minimum_bytes} bytes) that "
+            f"the leanest checkpoint plan needs. Breakdown: {parts}. {advice}"
         )
 
 

@@ -40,12 +40,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.api import Planner, check_budget_gb
+from autockpt.api import Planner, budget_in_bytes, check_budget_gb
 from autockpt.base.inputs import Inputs
 from autockpt.base.runtime import LossFn
 from autockpt.costs.problem import DEFAULT_MAX_STAGES
 from autockpt.costs.record import ACCUMULATED_GRADIENTS
-from autockpt.errors import GIB, BatchSizeError, InfeasibleBudgetError
+from autockpt.errors import BatchSizeError, InfeasibleBudgetError
 from autockpt.plan import Plan
 from autockpt.planning.prepared import ProgressFn
 from solvers import replay
@@ -172,7 +172,7 @@ def fit_batch(
     sizes = _Sizes(
         model,
         make_inputs,
-        int(budget_gb * GIB),
+        budget_in_bytes(budget_gb),
         multiple_of,
         max_batch_size,
         options,

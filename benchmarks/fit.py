@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import platform
-import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -46,7 +46,11 @@ from torch import nn  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt.base.runtime import default_loss  # noqa: E402
 from autockpt.capture import Inputs  # noqa: E402
-from autockpt.demo import checkpoint_every_block, largest_by_measuring  # noqa: E402
+from autockpt.demo import (  # noqa: E402
+    checkpoint_every_block,
+    interleaved_seconds,
+    largest_by_measuring,
+)
 from autockpt.errors import GIB  # noqa: E402
 from autockpt_zoo.toy import block_stack, gpt  # noqa: E402
 from benchmarks.planning import hf_gpt2_124m  # noqa: E402
@@ -156,8 +160,11 @@ def run_model(spec: Model, rounds: int) -> dict[str, Any]:
     for method, (module, size, opt) in answers.items():
         row[f"{method}_peak_bytes"] = _peak(module, inputs(size), opt)
         row[f"{method}_within_budget"] = row[f"{method}_peak_bytes"] <= budget
-    times = _interleaved(
-        {m: (module, Inputs.of(inputs(size)), opt) for m, (module, size, opt) in answers.items()},
+    times = interleaved_seconds(
+        {
+            method: functools.partial(_iteration, module, Inputs.of(inputs(size)), opt)
+            for method, (module, size, opt) in answers.items()
+        },
         rounds,
     )
     for method, seconds in times.items():
@@ -165,26 +172,6 @@ def run_model(spec: Model, rounds: int) -> dict[str, Any]:
         row[f"{method}_step_seconds"] = seconds
         row[f"{method}_samples_per_second"] = size / seconds
     return row
-
-
-def _interleaved(
-    runners: dict[str, tuple[nn.Module, Inputs, torch.optim.Optimizer]], rounds: int
-) -> dict[str, float]:
-    """Median CPU seconds of one training iteration per method, over interleaved rounds."""
-    names = list(runners)
-    for name in names:  # warm-up: the optimizers' state made
-        module, inputs, opt = runners[name]
-        _iteration(module, inputs, opt)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            module, inputs, opt = runners[name]
-            begin = time.process_time()
-            _iteration(module, inputs, opt)
-            samples[name].append(time.process_time() - begin)
-    for _, _, opt in runners.values():
-        opt.zero_grad()
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 METHODS = ("none", "per_block", "largest", "throughput")
@@ -204,7 +191,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
                 f"| {row['model']} | {row['budget_bytes'] / MIB:.1f} MiB | {method} | "
                 f"{row[f'{method}_batch']} | {row[f'{method}_peak_bytes'] / MIB:.2f} MiB | "
                 f"{'yes' if row[f'{method}_within_budget'] else 'NO'} | "
-                f"{row[f'{method}_samples_per_second']:.1f} |"
+                f"{_rate(row[f'{method}_samples_per_second'])} |"
             )
     lines += [
         "",
@@ -222,6 +209,10 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{row['none_steps_run']} / {row['per_block_steps_run']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def _figure(rows: list[dict[str, Any]], path: Path) -> None:

@@ -12,10 +12,11 @@ import torch
 import autockpt
 from autockpt.api import Planner
 from autockpt.errors import GIB
+from autockpt.plan import Plan
 from autockpt.rewrite import segments_of
 from autockpt_zoo.toy import ZOO
 from solvers.search import recompute_seconds
-from tests.conftest import assert_same_step, train_step
+from tests.conftest import assert_same_step, budget_between, quiet_planner, train_step
 
 MODELS = sorted(ZOO)
 FRACTIONS = (0.0, 0.5, 0.9)
@@ -224,3 +225,38 @@ def test_the_per_block_hand_plan_is_never_called_infeasible(name):
     chosen = [(s.start_stage, s.end_stage) for s in fast.plan.segments]
     cost = planner.search.replay_chain
     assert recompute_seconds(cost, chosen) <= recompute_seconds(cost, list(per_block))
+
+
+def test_an_export_plan_applies_from_the_plan_alone():
+    """README's ``autockpt.apply(model, autockpt.Plan.load("plan.json"))`` on a model captured
+    with torch.export: the plan's recorded input shapes re-capture it."""
+    model, inputs = ZOO["root_shape_branch"]()
+    planner = quiet_planner(model, inputs)
+    assert planner.capture.method == "export"
+    fast = planner.optimize(budget_gb=budget_between(planner, 0.3) / GIB)
+    again = autockpt.apply(model, Plan.from_json(fast.plan.to_json()))
+    assert again.plan == fast.plan
+    assert_same_step(train_step(fast, inputs), train_step(again, inputs))
+
+
+def test_a_plan_naming_modules_the_model_lacks_is_a_plan_mismatch():
+    model, inputs = ZOO["untraceable_submodule"]()
+    planner = quiet_planner(model, inputs)
+    assert planner.capture.leaf_modules  # the plan names a leaf module
+    plan = planner.optimize(budget_gb=planner.no_checkpoint_peak_bytes / GIB).plan
+    other, _ = ZOO["gpt"]()
+    with pytest.raises(autockpt.PlanMismatchError, match="names modules this GPT lacks"):
+        autockpt.apply(other, plan)
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_the_stated_minimum_as_a_budget_succeeds_and_one_byte_less_says_both(name):
+    model, inputs = ZOO[name]()
+    planner = quiet_planner(model, inputs)
+    least = planner.minimum_peak_bytes
+    fast = planner.optimize(budget_gb=least / GIB)
+    assert fast.plan.budget_bytes == least and fast.plan.measured_peak_bytes <= least
+    with pytest.raises(autockpt.InfeasibleBudgetError) as refused:
+        planner.optimize(budget_gb=(least - 1) / GIB)
+    assert refused.value.minimum_bytes == least
+    assert f"({least - 1} bytes" in str(refused.value) and f"({least} bytes)" in str(refused.value)

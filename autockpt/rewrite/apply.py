@@ -100,18 +100,24 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     inputs = Inputs.of(example_inputs).as_called(model) if example_inputs is not None else None
     if plan.submodule is not None:  # the root runs eagerly around a planned submodule
         return hand_back(apply_inside(model, plan, inputs))
-    if plan.capture_method == "export" and inputs is None:
+    missing = sorted(set(plan.leaf_modules) - {name for name, _ in model.named_modules()})
+    if missing:
         raise PlanMismatchError(
-            "this plan's graph was captured with torch.export, which needs example inputs: "
-            "call autockpt.apply(model, plan, example_inputs)"
+            f"the plan (for {plan.model}) names modules this {type(model).__name__} lacks "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): it was made for "
+            "another model"
         )
+    capture_inputs = inputs
+    if plan.capture_method == "export" and inputs is None:
+        # torch.export traces with real tensors: zeros of the shapes the plan records
+        capture_inputs = _recorded_inputs(model, plan)
     method = "export" if plan.capture_method == "export" else "fx"
     warn_if_eval(model)
     try:
         with training_mode(model):
             captured = capture(
                 model,
-                inputs or Inputs((), {}),
+                capture_inputs or Inputs((), {}),
                 leaf_modules=plan.leaf_modules,
                 method=method,
                 input_names=plan.input_names,
@@ -143,6 +149,21 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     result = hand_back(rewrite_for_training(model, captured, specs, planned))
     result.plan = plan
     return result
+
+
+def _recorded_inputs(model: nn.Module, plan: Plan) -> Inputs:
+    """Example inputs rebuilt from the plan (zeros of its recorded shapes and dtypes, on the
+    model's device), for re-capturing an export plan applied without any."""
+    parameter = next(model.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    try:
+        return inputs_like(plan.input_signature, device)
+    except ValueError as error:
+        raise PlanMismatchError(
+            "this plan's graph was captured with torch.export, which needs example inputs, and "
+            f"its recorded inputs cannot be rebuilt ({error}): call autockpt.apply(model, plan, "
+            "example_inputs)"
+        ) from error
 
 
 def segment_specs_from_plan(captured: Capture, plan: Plan) -> list[SegmentSpec]:
@@ -187,17 +208,12 @@ def _rebuild(
 ) -> nn.Module:
     """Re-apply ``plan`` to an unpickled plain model, captured in the mode it was planned
     in (a result saved in eval mode would otherwise capture another graph), and leave every
-    module's mode as it was saved. An fx plan is re-captured from the plan alone; an export
-    plan needs example inputs, rebuilt as zeros of the planned shapes and dtypes."""
+    module's mode as it was saved. The plan alone re-captures it (an export plan from zeros
+    of its recorded input shapes, as ``apply`` does without example inputs)."""
     modes = {name: module.training for name, module in plain.named_modules()}
-    inputs = None
-    if plan.capture_method == "export":
-        parameter = next(plain.parameters(), None)
-        device = parameter.device if parameter is not None else torch.device("cpu")
-        inputs = inputs_like(plan.input_signature, device)
     plain.train(captured_training)
     try:
-        result = apply_plan(plain, plan, inputs)
+        result = apply_plan(plain, plan)
     finally:
         for name, module in plain.named_modules():
             module.training = modes[name]
