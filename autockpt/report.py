@@ -16,7 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autockpt.api import Planner
 from autockpt.errors import AutockptError, InfeasibleBudgetError, format_bytes
+from autockpt.fit import BatchFit
 from autockpt.measure import measure
 from autockpt.plan import Plan
 from solvers.sqrt import sqrt_plan
@@ -24,9 +26,6 @@ from solvers.sqrt import sqrt_plan
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from rich.console import RenderableType
-
-    from autockpt.api import Planner
-    from autockpt.fit import BatchFit
 
 MIB = 2**20
 

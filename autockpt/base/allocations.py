@@ -22,18 +22,15 @@ import sys
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autockpt.base.inputs import Inputs
 from autockpt.base.runtime import is_fake, tensors_in
 from solvers.replay import OpCall
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from autockpt.base.inputs import Inputs
 
 __all__ = [
     "AllocatorEvent",
