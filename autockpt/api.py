@@ -37,7 +37,9 @@ from autockpt.base.runtime import (
     training_mode,
     warn_if_eval,
 )
+from autockpt.capture.captured import Capture
 from autockpt.capture.front import capture
+from autockpt.costs.as_written import as_written_shift
 from autockpt.costs.problem import DEFAULT_MAX_STAGES, StageRange
 from autockpt.distributed import PlanRequest, plan_on_one_rank
 from autockpt.errors import (
@@ -51,10 +53,19 @@ from autockpt.errors import (
 )
 from autockpt.measure import Measurement, measure
 from autockpt.plan import SCOPES, MemoryTimeline, Plan
+from autockpt.planning.cache import Reused, cache_key, cached, clear_cache, keep
 from autockpt.planning.make_plan import breakdown, make_plan, rank_breakdown, with_measurement
 from autockpt.planning.nested import SubmodulePlanner, choose_submodule
 from autockpt.planning.predict import Predictor
-from autockpt.planning.prepared import Phases, Prepared, ProgressFn, Request, prepare, start
+from autockpt.planning.prepared import (
+    Phases,
+    Prepared,
+    ProgressFn,
+    Request,
+    prepare,
+    resident_floor,
+    start,
+)
 from autockpt.planning.search import SEARCH_METHODS, BudgetSearch
 from autockpt.planning.sharding import resolve_sharding
 from autockpt.planning.specs import segment_specs
@@ -72,6 +83,7 @@ __all__ = [
     "apply",
     "budget_in_bytes",
     "check_budget_gb",
+    "clear_cache",
     "optimize",
 ]
 
@@ -95,6 +107,8 @@ def optimize(
     selective: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
     accumulation_steps: int = 1,
+    progress: ProgressFn | None = None,
+    cache: bool = True,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -136,6 +150,14 @@ def optimize(
     multiply's) from the forward instead of recomputing them, where the plan simulator shows
     that is cheaper within the budget (``torch.utils.checkpoint``'s selective checkpoint
     policies; docs/design.md, "Selective recompute"). ``False``: segments recompute all.
+
+    A budget below what the step keeps whatever is checkpointed (parameters, their
+    gradients, buffers, inputs, the optimizer's state) is refused right after capture,
+    before anything is profiled. Called again on the same model and inputs (another budget),
+    ``optimize`` reuses the first call's profile, recorded step and leanest plan
+    (``cache=True``; autockpt/planning/cache.py lists the key; ``autockpt.clear_cache()``
+    forgets them). Each phase is logged on the ``"autockpt"`` logger at INFO, with its
+    seconds; ``progress`` is called with a short description as each begins.
     """
     budget_gb = check_budget_gb(budget_gb)
 
@@ -152,6 +174,9 @@ def optimize(
             fsdp_units=fsdp_units,
             optimizer=optimizer,
             accumulation_steps=accumulation_steps,
+            progress=progress,
+            budget_gb=budget_gb,
+            cache=cache,
         )
         return planner.optimize(
             budget_gb=budget_gb,
@@ -212,7 +237,7 @@ def check_budget_gb(budget_gb: Any) -> float:
             f"budget_gb must be a positive, finite number of GiB (2**30 bytes); got "
             f"{budget_gb!r}. Sensible budgets lie between the leanest plan's peak and the peak "
             "without checkpointing: Planner(model, inputs).minimum_peak_bytes and "
-            ".no_checkpoint_peak_bytes, or `autockpt frontier`, show both."
+            ".as_written_peak_bytes, or `autockpt frontier`, show both."
         )
     return value
 
@@ -247,6 +272,30 @@ def _check_iteration(
     return check_optimizer(optimizer, model)
 
 
+def _refuse_below_floor(
+    model: nn.Module, inputs: Inputs, captured: Capture, request: Request, budget_bytes: int
+) -> None:
+    """:class:`InfeasibleBudgetError` (``lower_bound``), before profiling, for a budget below
+    what the step keeps whatever is checkpointed (:func:`resident_floor`). Scope "total" on
+    one process only: "activations" leaves that part out, and a rank keeps a share of it."""
+    if request.scope != "total" or request.sharding.active:
+        return
+    parts = resident_floor(model, inputs, captured, request.optimizer)
+    floor = sum(parts.values())
+    if floor > budget_bytes:
+        raise InfeasibleBudgetError(
+            budget_bytes,
+            floor,
+            parts,
+            request.scope,
+            "Raise the budget well above this sum (Planner(model, inputs).minimum_peak_bytes "
+            "states the least that fits), or shrink what checkpointing cannot touch: smaller "
+            "or lower-precision parameters, a smaller batch, an optimizer with less state, or "
+            "sharding parameters and gradients across devices (FSDP).",
+            lower_bound=True,
+        )
+
+
 def _leaves_as_found(method: Callable[..., Any]) -> Callable[..., Any]:
     """A :class:`Planner` method that leaves the model, its example inputs and the global
     random generators as found (:func:`autockpt.base.runtime.as_found`)."""
@@ -264,11 +313,24 @@ class Planner:
 
     ``optimize`` is ``Planner(...).optimize(budget_gb=...)``; keep a planner to sweep
     budgets (a frontier, a benchmark) without profiling again. The predicted range is
-    ``minimum_peak_bytes`` (the leanest plan) to ``no_checkpoint_peak_bytes``.
+    ``minimum_peak_bytes`` (the leanest plan) to ``no_checkpoint_peak_bytes`` (the captured
+    graph run without checkpoints: what the solver and every plan's prediction build on);
+    the baseline a user compares with, "without checkpointing", is
+    :attr:`as_written_peak_bytes` (the model as written, which may keep more than its graph).
 
     ``probe=False`` plans from shapes alone: no node runs on the device, so kernel
     workspaces are unknown (every prediction is then a lower bound of the real peak) and
     times are the cost model's. ``fit_batch`` judges sizes far from its answer this way.
+
+    ``budget_gb``, when the budget to be asked for is known (``optimize`` passes its own):
+    a budget below what the step keeps whatever is checkpointed (parameters, their
+    gradients, buffers, inputs, the optimizer's state) raises :class:`InfeasibleBudgetError`
+    right after capture, before profiling (``lower_bound`` set). ``cache``: reuse the
+    profile, recorded step and leanest plan of an earlier planner of the same model, inputs
+    and options, and keep this one's for later ones (autockpt/planning/cache.py; planning
+    from shapes alone, ``probe=False``, is neither read nor kept). ``progress`` is called
+    with a short description as each phase begins; every phase is also logged on the
+    ``"autockpt"`` logger at INFO, with its seconds.
 
     The planner composes three parts (``autockpt/planning/``): a frozen :class:`Prepared`
     (capture, profile, chain, recorded step, rank terms; :attr:`prepared`), the
@@ -293,7 +355,10 @@ class Planner:
         optimizer: torch.optim.Optimizer | None = None,
         accumulation_steps: int = 1,
         probe: bool = True,
+        budget_gb: float | None = None,
+        cache: bool = True,
     ) -> None:
+        budget_bytes = None if budget_gb is None else budget_in_bytes(check_budget_gb(budget_gb))
         model, self._hand_back = unwrap(model)
         self.progress: ProgressFn = progress or (lambda stage: None)
         if scope not in SCOPES:
@@ -316,7 +381,9 @@ class Planner:
             accumulation_steps,
             probe,
         )
-        self._phases = Phases(self.progress)
+        self._cache = cache
+        # through the attribute: a caller may set planner.progress between phases (the CLI)
+        self._phases = Phases(lambda what: self.progress(what))
         self.phase_seconds: dict[str, float] = self._phases.seconds
         """Wall seconds per planning phase (capture, profile, record, search, verify)."""
         self.nested: SubmodulePlanner | None = None
@@ -335,13 +402,36 @@ class Planner:
                     raise
                 self._plan_inside_submodule(error, request)
                 return
-            prepared = prepare(
-                model, self.inputs, captured, request, self.precision, planning_peak, self._phases
+            if budget_bytes is not None:
+                _refuse_below_floor(model, self.inputs, captured, request, budget_bytes)
+            # probe=False (shapes alone: fit_batch's many sizes) is cheap: neither read nor kept
+            key = (
+                cache_key(model, self.inputs, captured, request, self.precision)
+                if cache and probe
+                else None
             )
-            self._adopt(prepared)
+            reused = cached(model, key)
+            prepared = prepare(
+                model,
+                self.inputs,
+                captured,
+                request,
+                self.precision,
+                planning_peak,
+                self._phases,
+                reused=(reused.profile, reused.trace) if reused is not None else None,
+            )
+            self._adopt(prepared, leanest=reused.leanest if reused is not None else None)
             self._phases.start("search", "searching the leanest plan")
             self.no_checkpoint_peak_bytes = self.predict([])
-            self.minimum_peak_bytes = self.search.leanest().peak_bytes
+            """Predicted peak of the captured graph run without checkpoints (the replay of
+            the recorded step under no plan): the solver's upper end and what plans are
+            compared with inside autockpt. The user's model as written may peak higher (its
+            own code keeps tensors the graph frees): :attr:`as_written_peak_bytes`."""
+            leanest = self.search.leanest()
+            self.minimum_peak_bytes = leanest.peak_bytes
+            if reused is None:
+                keep(model, key, Reused(self.profile, self.trace, leanest))
             self.breakdown = breakdown(
                 self.profile, self.chain, scope, self.minimum_peak_bytes, self.trace
             )
@@ -349,9 +439,10 @@ class Planner:
                 self.breakdown = rank_breakdown(self.breakdown, self.rank_memory, self.sharding)
             self._phases.stop()
 
-    def _adopt(self, prepared: Prepared) -> None:
+    def _adopt(self, prepared: Prepared, leanest: Solution | None = None) -> None:
         """Make the prepared values the planner's attributes (their public names), and
-        build the predictor and the search over them."""
+        build the predictor and the search over them (``leanest``: the search's answer from
+        the cache)."""
         self.prepared = prepared
         self.capture = prepared.capture
         self.profile = prepared.profile
@@ -367,7 +458,7 @@ class Planner:
         self.predictor = Predictor(prepared)
         per_block = prepared.per_block_segments
         self.search = BudgetSearch(
-            self.chain, self.predictor, seeds=(per_block,) if per_block else ()
+            self.chain, self.predictor, seeds=(per_block,) if per_block else (), leanest=leanest
         )
 
     def _plan_inside_submodule(self, error: TraceError, request: Request) -> None:
@@ -385,6 +476,7 @@ class Planner:
             leaf_modules=[name.removeprefix(prefix) for name in leaves if name.startswith(prefix)],
             max_stages=request.max_stages,
             progress=self.progress,
+            cache=self._cache,
         )
         self.nested = SubmodulePlanner(
             self.model,
@@ -446,6 +538,39 @@ class Planner:
         """The prediction for checkpointing the given stage ranges: peak from the plan
         simulator (:meth:`predict`), recompute seconds from :meth:`recompute_seconds`."""
         return self.predictor.simulate(segments)
+
+    @property
+    def as_written_peak_bytes(self) -> int:
+        """Predicted peak of one step of the model as written, without checkpointing (in the
+        planner's scope, per rank when sharded): the baseline "without checkpointing" means
+        to a user, and what the halfway default budget and every ratio against no
+        checkpointing use. It is :attr:`no_checkpoint_peak_bytes` (the captured graph's)
+        moved by how much higher the model's own step peaks than the graph's, both run on
+        fake tensors under the same tracker (autockpt/costs/as_written.py): the model's code
+        may keep tensors alive that the graph frees. Never run for real (planning must fit
+        where the plan fits); computed on first use. Where the model as written does not
+        run on fake tensors, the graph's prediction. With an optimizer the difference is
+        the forward and backward's, added to the whole iteration's peak (an upper bound)."""
+        found = self._as_written_or_none()
+        return self.no_checkpoint_peak_bytes if found is None else found
+
+    def _as_written_or_none(self) -> int | None:
+        """:attr:`as_written_peak_bytes`, or None where the model as written does not run on
+        fake tensors (what a plan records)."""
+        if self.nested is not None:
+            inner = self.nested.inner._as_written_or_none()
+            return None if inner is None else self.nested._scoped(inner)
+        if "_as_written_shift" not in self.__dict__:
+            with (
+                as_found(self.model, self.inputs),
+                training_mode(self.model),
+                self.precision.entered(),
+            ):
+                self._as_written_shift = as_written_shift(
+                    self.model, self.capture, self.inputs, self.loss_fn
+                )
+        shift = self._as_written_shift
+        return None if shift is None else self.no_checkpoint_peak_bytes + shift
 
     @property
     def step_seconds(self) -> float:
@@ -550,6 +675,7 @@ class Planner:
                 budget_bytes,
                 minimum_peak_bytes=self.minimum_peak_bytes,
                 no_checkpoint_peak_bytes=self.no_checkpoint_peak_bytes,
+                as_written_peak_bytes=self._as_written_or_none(),
             )
             # One road from a plan to a module, for optimize and apply alike.
             result = self._rewrite(specs_from_plan(self.capture, plan))

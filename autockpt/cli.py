@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from autockpt.errors import (
         AutockptError,
+        DefaultLossWarning,
         InfeasibleBudgetError,
         PlanFormatError,
         PlanMismatchError,
@@ -102,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from autockpt.report import MissingDependencyError, ReportError
 
+    # The command line says which loss it plans for in one line of its own output
+    # (_default_loss_note), not as a Python warning.
+    warnings.filterwarnings("ignore", category=DefaultLossWarning)
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
@@ -183,7 +188,19 @@ OPTIMIZERS = {
 }
 
 
+def _loss_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--loss",
+        metavar="MODULE:FUNCTION",
+        default=None,
+        help="the loss the step differentiates, a function of the model's output (replaces "
+        "the one the factory returns; default: the output's loss, else the sum of its "
+        "floating tensors)",
+    )
+
+
 def _iteration_options(command: argparse.ArgumentParser) -> None:
+    _loss_option(command)
     command.add_argument(
         "--optimizer",
         choices=tuple(OPTIMIZERS),
@@ -223,7 +240,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="autockpt",
         description="Place activation checkpoints so that training fits a memory budget.",
         epilog="SPEC is package.module:factory, importable from the current directory; the "
-        "factory returns (model, example_inputs). Exit codes: 0 ok, 1 a check failed, "
+        "factory returns (model, example_inputs) or (model, example_inputs, loss_fn). Exit codes: 0 ok, 1 a check failed, "
         "2 usage, 3 budget too small, 4 bad plan file, 5 bad SPEC, 6 model not "
         "capturable, 7 output not writable, 8 matplotlib missing.",
     )
@@ -256,7 +273,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
 
     plan = sub.add_parser("plan", help="make a plan for SPEC under a budget")
-    plan.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
+    plan.add_argument(
+        "spec", help="package.module:factory returning (model, example_inputs[, loss_fn])"
+    )
     plan.add_argument(
         "--budget-gb",
         type=_positive_float,
@@ -316,15 +335,20 @@ def _parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_show)
 
     verify = sub.add_parser("verify", help="apply a plan to SPEC and check it against eager")
-    verify.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
+    verify.add_argument(
+        "spec", help="package.module:factory returning (model, example_inputs[, loss_fn])"
+    )
     verify.add_argument("plan")
+    _loss_option(verify)
     _common(verify)
     verify.set_defaults(run=_verify)
 
     frontier = sub.add_parser(
         "frontier", help="recompute overhead vs peak memory across budgets (one profile)"
     )
-    frontier.add_argument("spec", help="package.module:factory returning (model, example_inputs)")
+    frontier.add_argument(
+        "spec", help="package.module:factory returning (model, example_inputs[, loss_fn])"
+    )
     frontier.add_argument(
         "-o", "--output", default="frontier.png", help="plot file (default frontier.png)"
     )
@@ -361,7 +385,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the largest (or fastest) batch that fits a budget, from predictions alone",
     )
     fit.add_argument(
-        "spec", help="package.module:factory; factory(n) returns (model, example_inputs) of size n"
+        "spec",
+        help="package.module:factory; factory(n) returns (model, example_inputs[, loss_fn]) "
+        "of size n",
     )
     fit.add_argument(
         "--budget-gb",
@@ -483,6 +509,16 @@ def _say(args: argparse.Namespace) -> Callable[..., None]:
     return print
 
 
+def _default_loss_note(args: argparse.Namespace, loss_fn: Any) -> None:
+    """One line saying which loss a command plans for when the user named none."""
+    if loss_fn is None:
+        _say(args)(
+            "note: no loss given: the step differentiates the output's `loss` when it has one, "
+            "else the sum of its floating tensors; for the loss you train with, give --loss "
+            "package.module:function or return (model, example_inputs, loss_fn) from the factory"
+        )
+
+
 def _write(path: str, write: Callable[[str], None], what: str) -> None:
     try:
         write(path)
@@ -508,15 +544,18 @@ def _load_plan(path: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_spec(spec: str) -> tuple[Any, Any]:
-    """Import ``package.module:factory`` and call it; return ``(model, example_inputs)``."""
-    return _call_factory(spec, load_factory(spec))
+def load_spec(spec: str, loss: str | None = None) -> tuple[Any, Any, Any]:
+    """Import ``package.module:factory`` and call it; return ``(model, example_inputs,
+    loss_fn)``: the factory's third item when it returns one, else ``--loss``'s function
+    (which wins when both are given), else None (the default loss)."""
+    return _call_factory(spec, load_factory(spec), loss=loss)
 
 
-def load_factory(spec: str) -> Callable[..., Any]:
+def load_factory(spec: str, what: str = "model SPEC") -> Callable[..., Any]:
     """Import ``package.module:factory`` and return the factory (not called)."""
     if ":" not in spec:
-        raise SpecError(f"model SPEC must look like package.module:factory, got {spec!r}")
+        shape = "package.module:factory" if what == "model SPEC" else "package.module:function"
+        raise SpecError(f"{what} must look like {shape}, got {spec!r}")
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -532,23 +571,36 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return factory
 
 
-def _call_factory(spec: str, factory: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
-    """``factory(*args)``, checked to return ``(model, example_inputs)``."""
+def _call_factory(
+    spec: str, factory: Callable[..., Any], *args: Any, loss: str | None = None
+) -> tuple[Any, Any, Any]:
+    """``factory(*args)``, checked to return ``(model, example_inputs)`` or ``(model,
+    example_inputs, loss_fn)``; ``loss`` (``--loss``) names a loss function that replaces
+    the factory's. Returns the three, the loss None when neither gives one."""
     try:
         result = factory(*args)
     except Exception as error:  # noqa: BLE001
         call = f"{spec}({', '.join(map(repr, args))})" if args else spec
         raise SpecError(f"{call} raised {type(error).__name__}: {error}") from error
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise SpecError(f"{spec} must return (model, example_inputs), got {type(result).__name__}")
+    shape = "(model, example_inputs) or (model, example_inputs, loss_fn)"
+    if not (isinstance(result, tuple) and len(result) in (2, 3)):
+        raise SpecError(f"{spec} must return {shape}, got {type(result).__name__}")
     from torch import nn
 
     if not isinstance(result[0], nn.Module):
         raise SpecError(
-            f"{spec} must return (model, example_inputs) with a torch.nn.Module first, got "
+            f"{spec} must return {shape} with a torch.nn.Module first, got "
             f"{type(result[0]).__name__}"
         )
-    return result
+    loss_fn = result[2] if len(result) == 3 else None
+    if loss_fn is not None and not callable(loss_fn):
+        raise SpecError(
+            f"{spec} returned a loss_fn that is not callable ({type(loss_fn).__name__}): "
+            "return a function of the model's output that gives the scalar loss"
+        )
+    if loss is not None:
+        loss_fn = load_factory(loss, "--loss")
+    return result[0], result[1], loss_fn
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -587,20 +639,24 @@ def _demo(args: argparse.Namespace) -> int:
     say(f"memory breakdown of {what}:")
     for name, value in planner.breakdown.items():
         say(f"  {name:<36} {format_bytes(value):>12}")
-    say(
-        f"  {'predicted peak without checkpointing':<36} "
-        f"{format_bytes(planner.no_checkpoint_peak_bytes):>12}"
-    )
+    # "without checkpointing" is the model as written; the captured graph may keep less
+    baseline = max(planner.as_written_peak_bytes, planner.minimum_peak_bytes)
+    say(f"  {'predicted peak without checkpointing':<36} {format_bytes(baseline):>12}")
+    if planner.no_checkpoint_peak_bytes != baseline:
+        say(
+            f"  {'the captured graph, no checkpoint':<36} "
+            f"{format_bytes(planner.no_checkpoint_peak_bytes):>12}"
+        )
     budget_gb = args.budget_gb
     if budget_gb is None:
-        budget_gb = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) / 2 / GIB
-    static = planner.no_checkpoint_peak_bytes - prof.saved_bytes()
+        budget_gb = (planner.minimum_peak_bytes + baseline) / 2 / GIB
+    static = baseline - prof.saved_bytes()
     activations = prof.saved_bytes()
     if activations < 0.05 * static:
         say(
             f"note: saved activations are {format_bytes(activations)} of a "
-            f"{format_bytes(planner.no_checkpoint_peak_bytes)} peak: checkpointing can save at "
-            f"most {100 * activations / max(1, planner.no_checkpoint_peak_bytes):.1f}% of it here."
+            f"{format_bytes(baseline)} peak: checkpointing can save at "
+            f"most {100 * activations / max(1, baseline):.1f}% of it here."
         )
     report: dict[str, Any] = {}
     with Progress.for_args(args) as progress:
@@ -707,15 +763,17 @@ def _plan(args: argparse.Namespace) -> int:
         import torch
 
         with torch.device("meta"):  # parameters and inputs get shapes, never memory
-            model, inputs = load_spec(args.spec)
+            model, inputs, loss_fn = load_spec(args.spec, args.loss)
     else:
-        model, inputs = load_spec(args.spec)
+        model, inputs, loss_fn = load_spec(args.spec, args.loss)
+    _default_loss_note(args, loss_fn)
     units = None if args.fsdp_units is None else [u for u in args.fsdp_units.split(",") if u]
     with Progress.for_args(args) as progress:
         planner = Planner(
             model,
             inputs,
             scope=args.scope,
+            loss_fn=loss_fn,
             progress=progress.stage,
             world_size=args.world_size,
             sharding=args.sharding,
@@ -794,11 +852,15 @@ def _verify(args: argparse.Namespace) -> int:
 
     import autockpt
     from autockpt.base.inputs import Inputs
-    from autockpt.base.runtime import default_loss, preserved_training_state
+    from autockpt.base.runtime import default_loss, loss_name, preserved_training_state
 
     plan = _load_plan(args.plan)
-    model, example = load_spec(args.spec)
+    model, example, loss_fn = load_spec(args.spec, args.loss)
     inputs = Inputs.of(example)
+    loss_fn = loss_fn or default_loss
+    # The verdict is the peak measured with the loss given here; a plan made with another
+    # loss was predicted for another step, which the output says (never "ok" unmeasured).
+    other_loss = plan.loss is not None and plan.loss != loss_name(loss_fn)
     with Progress.for_args(args) as progress:
         progress.stage("applying the plan")
         optimizer = _build_optimizer(plan.optimizer.name if plan.optimizer else None, model)
@@ -808,12 +870,12 @@ def _verify(args: argparse.Namespace) -> int:
         progress.stage("comparing one step with eager")
         with preserved_training_state(model):
             torch.manual_seed(0)
-            expected = default_loss(model(*inputs.args, **inputs.kwargs))
+            expected = loss_fn(model(*inputs.args, **inputs.kwargs))
             expected.backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         with preserved_training_state(model):
             torch.manual_seed(0)
-            got = default_loss(fast(*inputs.args, **inputs.kwargs))
+            got = loss_fn(fast(*inputs.args, **inputs.kwargs))
             got.backward()
             checks["loss equal"] = bool(torch.allclose(expected, got, rtol=1e-5, atol=1e-6))
             checks["gradients equal"] = all(
@@ -823,7 +885,11 @@ def _verify(args: argparse.Namespace) -> int:
             )
         progress.stage("measuring peak memory and step time")
         measured = autockpt.measure(
-            fast, example, optimizer=optimizer, accumulation_steps=plan.accumulation_steps
+            fast,
+            example,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            accumulation_steps=plan.accumulation_steps,
         )
     used = plan.budgeted_bytes(measured.peak_bytes)  # what the budget covers
     if plan.sharding is None:
@@ -846,11 +912,19 @@ def _verify(args: argparse.Namespace) -> int:
                     "scope": plan.scope,
                     "predicted_peak_bytes": plan.predicted_peak_bytes,
                     "step_seconds": measured.step_seconds,
+                    "loss": loss_name(loss_fn),
+                    "plan_loss": plan.loss,
                 }
             )
         )
     else:
         say = _say(args)
+        if other_loss:
+            say(
+                f"note: the plan was made with loss {plan.loss}; checked with "
+                f"{loss_name(loss_fn)}, whose step's peak is measured here (the plan's "
+                "prediction is for the other loss)"
+            )
         for name, value in checks.items():
             say(f"{'ok  ' if value else 'FAIL'} {name}")
         say(
@@ -868,7 +942,11 @@ def _fit(args: argparse.Namespace) -> int:
         require_matplotlib()
     factory = load_factory(args.spec)
     # one model for every size (the first call's); each size's inputs from factory(n)
-    model, first_inputs = _call_factory(args.spec, factory, args.multiple_of)
+    model, first_inputs, loss_fn = _call_factory(
+        args.spec, factory, args.multiple_of, loss=args.loss
+    )
+
+    _default_loss_note(args, loss_fn)
 
     def make_inputs(n: int) -> Any:
         if n == args.multiple_of:
@@ -882,6 +960,7 @@ def _fit(args: argparse.Namespace) -> int:
             budget_gb=args.budget_gb,
             optimizer=_build_optimizer(args.optimizer, model),
             accumulation_steps=args.accumulation_steps,
+            loss_fn=loss_fn,
             objective=args.objective,
             multiple_of=args.multiple_of,
             max_batch_size=args.max_batch_size,
@@ -905,14 +984,17 @@ def _frontier(args: argparse.Namespace) -> int:
 
     if not args.no_plot:  # fail before the expensive part when matplotlib is missing
         require_matplotlib()
-    model, inputs = load_spec(args.spec)
+    model, inputs, loss_fn = load_spec(args.spec, args.loss)
     to_stdout = args.json == "-"
+    if not to_stdout:
+        _default_loss_note(args, loss_fn)
     progress_wanted = not args.quiet and not to_stdout and sys.stderr.isatty()
     with Progress(progress_wanted) as progress:
         planner = Planner(
             model,
             inputs,
             scope=args.scope,
+            loss_fn=loss_fn,
             progress=progress.stage,
             optimizer=_build_optimizer(args.optimizer, model),
             accumulation_steps=args.accumulation_steps,
@@ -983,7 +1065,17 @@ def _print_frontier(result: Any) -> None:
                 "-" if point.measured_overhead is None else f"{100 * point.measured_overhead:.1f}%"
             )
         table.add_row(*cells)
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    console.print(table)
+    if result.per_block_note:
+        console.print(f"note: no per-block row: {result.per_block_note}")
+    written = result.as_written_peak_bytes
+    if written is not None and written != result.no_checkpoint_peak_bytes:
+        console.print(
+            f"note: without checkpointing the model as written peaks at {format_bytes(written)} "
+            f"(predicted); the captured graph every plan runs, at "
+            f"{format_bytes(result.no_checkpoint_peak_bytes)}"
+        )
 
 
 if __name__ == "__main__":

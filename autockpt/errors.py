@@ -14,7 +14,10 @@ class InfeasibleBudgetError(AutockptError):
 
     ``minimum_gb`` is the least budget (GiB) that a plan reaches; asking for it succeeds.
     ``breakdown`` maps the static parts (parameters, gradients, inputs, buffers) to bytes so
-    the message can say where the memory goes.
+    the message can say where the memory goes. ``lower_bound`` is true when the budget was
+    refused before profiling, below what the step keeps whatever is checkpointed (the
+    breakdown's parts): ``minimum_gb`` is then that sum, and the leanest plan needs more
+    (``Planner(model, inputs).minimum_peak_bytes`` states it).
     """
 
     def __init__(
@@ -24,22 +27,30 @@ class InfeasibleBudgetError(AutockptError):
         breakdown: dict[str, int],
         scope: str = "total",
         hint: str | None = None,
+        lower_bound: bool = False,
     ) -> None:
         self.budget_bytes = int(budget_bytes)
         self.minimum_bytes = int(minimum_bytes)
         self.minimum_gb = minimum_bytes / GIB
         self.breakdown = dict(breakdown)
         self.scope = scope
+        self.lower_bound = lower_bound
         parts = ", ".join(f"{name} {_fmt(nbytes)}" for name, nbytes in self.breakdown.items())
         advice = hint or (
             "Raise the budget to at least the minimum, or shrink what checkpointing cannot "
             "touch: a smaller batch or sequence, lower-precision parameters, or sharding "
             "parameters and gradients across devices (FSDP)."
         )
+        minimum = f"{self.minimum_gb:.9g} GiB ({self.minimum_bytes} bytes)"
+        needs = (
+            f"of at least {minimum}: what the step keeps whatever is checkpointed (refused "
+            "before profiling; the leanest checkpoint plan needs more, for activations)"
+            if lower_bound
+            else f"{minimum} that the leanest checkpoint plan needs"
+        )
         super().__init__(
             f"budget {_fmt(budget_bytes)} ({self.budget_bytes} bytes, scope={scope}) is below "
-            f"the minimum feasible {self.minimum_gb:.9g} GiB ({self.minimum_bytes} bytes) that "
-            f"the leanest checkpoint plan needs. Breakdown: {parts}. {advice}"
+            f"the minimum feasible {needs}. Breakdown: {parts}. {advice}"
         )
 
 
@@ -122,10 +133,22 @@ class CompileError(AutockptError, TypeError):
     ``torch.compile(autockpt.optimize(model, ...))``."""
 
 
+class DefaultLossWarning(UserWarning):
+    """No ``loss_fn`` was given and the model's output has no ``loss``: autockpt plans and
+    checks the budget for the sum of the output's floating tensors, which is rarely the loss
+    trained with (said once per process)."""
+
+
 class UncoveredCallWarning(UserWarning):
     """A training call with autograd on that the plan does not cover: other arguments than
     planned (it runs the original forward, un-checkpointed), or larger tensors with
     ``on_larger_input="warn"`` (the graph runs, but the budget may not hold)."""
+
+
+class LargerInputWarning(UncoveredCallWarning):
+    """A training call with larger tensors than planned, run because the result's
+    ``on_larger_input`` is ``"warn"``: the graph runs, but the budget may not hold. A kind of
+    :class:`UncoveredCallWarning`, so filters on that one still catch it."""
 
 
 class PrecisionWarning(UserWarning):

@@ -3,8 +3,8 @@
 A :class:`Plan` is self-describing: it names the graph it was made for (a structural
 fingerprint plus the input signature), the library and torch versions, the budget and its
 scope, the solver's verdict and every checkpointed segment by its first and last fx node
-names. ``Plan.from_json(plan.to_json()) == plan`` holds exactly (floats are written with
-``repr`` precision).
+names (and, for people, the module path of each). ``Plan.from_json(plan.to_json()) == plan``
+holds exactly (floats are written with ``repr`` precision).
 
 Compatibility rule: a plan is readable when its ``schema_version`` equals
 :data:`SCHEMA_VERSION`; a different schema raises :class:`PlanMismatchError` saying both
@@ -56,7 +56,8 @@ class KeptOp:
 @dataclass(frozen=True)
 class Segment:
     """A checkpointed run of stages ``[start_stage, end_stage)``; ``first_node`` and
-    ``last_node`` name its first and last fx nodes."""
+    ``last_node`` name its first and last fx nodes (what the rewrite matches on),
+    ``first_module`` and ``last_module`` the modules they lie in (what people read)."""
 
     start_stage: int
     end_stage: int
@@ -69,6 +70,32 @@ class Segment:
     kept_ops: tuple[KeptOp, ...] = ()
     """Operator outputs kept from the forward (selective recompute); empty: the segment
     recomputes everything inside it."""
+    first_module: str | None = None
+    """Qualified name in the user's model of the innermost module whose code made the first
+    node (``"blocks.3.attn"``; ``""``: the root's own code), so that a reader can find the
+    segment in the model; None in plans written before this field."""
+    last_module: str | None = None
+    """The same for the last node."""
+
+    @property
+    def first_label(self) -> str:
+        """The first node for people: ``"blocks.3.attn (matmul_4)"``."""
+        return _node_label(self.first_module, self.first_node)
+
+    @property
+    def last_label(self) -> str:
+        """The last node for people: ``"blocks.3.mlp (dropout_11)"``."""
+        return _node_label(self.last_module, self.last_node)
+
+
+ROOT_LABEL = "<root>"
+"""How a segment label names the root's own code (module path ``""``)."""
+
+
+def _node_label(module: str | None, node: str) -> str:
+    if module is None:
+        return node
+    return f"{module or ROOT_LABEL} ({node})"
 
 
 @dataclass(frozen=True)
@@ -209,10 +236,22 @@ class Plan:
     accumulation_steps: int = 1
     """Micro-batches per optimizer step: from the second on, the gradients are resident
     through forward and backward, and the budget covers that."""
+    loss: str | None = None
+    """The loss the budget and every prediction cover: ``"default"`` (the output's ``loss``,
+    else the sum of its floating tensors) or the ``loss_fn``'s ``module:qualname``; None in
+    plans written before this field. A step with another loss has another peak (the loss's
+    own kernels and intermediates), so a check with another loss measures again."""
     submodule: str | None = None
     """Qualified name of the submodule the graph fields describe, when the root's own forward
     could not be captured and runs eagerly around it (autockpt/planning/nested.py); None: the
     root."""
+    as_written_peak_bytes: int | None = None
+    """Predicted peak of one step of the model as written, without checkpointing: the
+    baseline a user compares with. ``no_checkpoint_peak_bytes`` is the captured graph's,
+    which may keep less (it frees each value after its last use; the model's own code may
+    hold tensors until its forward returns); both are predicted, never run for real. None in
+    plans written before this field, or where the model as written cannot run on fake
+    tensors."""
     autockpt_version: str = field(default_factory=lambda: _library_version())
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION
@@ -281,6 +320,14 @@ class Plan:
     def predicted_peak_gb(self) -> float:
         return self.predicted_peak_bytes / GIB
 
+    @property
+    def baseline_peak_bytes(self) -> int:
+        """The peak "without checkpointing" that a user compares with: the model as written
+        (``as_written_peak_bytes``), or the captured graph's where that is unknown."""
+        if self.as_written_peak_bytes is None:
+            return self.no_checkpoint_peak_bytes
+        return self.as_written_peak_bytes
+
     def budgeted_bytes(self, measured_total: int) -> int:
         """The part of a measured step's total peak that this plan's budget covers
         (:func:`scoped_bytes`; the static part is the plan's memory breakdown)."""
@@ -297,8 +344,13 @@ class Plan:
             + (f", inside submodule '{self.submodule}'" if self.submodule else ""),
             f"budget {format_bytes(self.budget_bytes)} (scope={self.scope}); predicted peak "
             f"{format_bytes(self.predicted_peak_bytes)}; without checkpointing "
-            f"{format_bytes(self.no_checkpoint_peak_bytes)}; leanest plan "
-            f"{format_bytes(self.minimum_peak_bytes)}"
+            f"{format_bytes(self.baseline_peak_bytes)}"
+            + (
+                f" (the captured graph: {format_bytes(self.no_checkpoint_peak_bytes)})"
+                if self.baseline_peak_bytes != self.no_checkpoint_peak_bytes
+                else ""
+            )
+            + f"; leanest plan {format_bytes(self.minimum_peak_bytes)}"
             + (
                 f"; the whole iteration with {self.optimizer.name} (state "
                 f"{format_bytes(self.optimizer.state_bytes)}, step "
@@ -329,8 +381,8 @@ class Plan:
             )
         for seg in self.segments:
             lines.append(
-                f"  checkpoint stages [{seg.start_stage}, {seg.end_stage}): {seg.first_node} .. "
-                f"{seg.last_node}  frees {format_bytes(seg.bytes_freed)}, recompute "
+                f"  checkpoint stages [{seg.start_stage}, {seg.end_stage}): {seg.first_label} .. "
+                f"{seg.last_label}  frees {format_bytes(seg.bytes_freed)}, recompute "
                 f"{seg.recompute_seconds * 1e3:.2f} ms"
             )
         return "\n".join(lines)
@@ -413,6 +465,10 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         return tuple(_build(Segment, item) for item in _list(name, value))
     if name == "kept_ops":
         return tuple(_build(KeptOp, item) for item in _list(name, value))
+    if name in ("first_module", "last_module"):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a string or null, got {value!r}")
+        return value
     if name == "memory":
         return _build(MemoryBreakdown, value)
     if name == "rank_memory":
@@ -425,6 +481,10 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         return value
     if name == "timeline":
         return None if value is None else _build(MemoryTimeline, value)
+    if name == "loss":
+        if value is not None and not (isinstance(value, str) and value):
+            raise TypeError(f"loss must be a non-empty string or null, got {value!r}")
+        return value
     if name == "submodule":
         if value is not None and not (isinstance(value, str) and value):
             raise TypeError(f"submodule must be a non-empty string or null, got {value!r}")

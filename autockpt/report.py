@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autockpt.api import Planner
+from autockpt.costs.blocks import NO_BLOCKS
 from autockpt.errors import AutockptError, InfeasibleBudgetError, format_bytes
 from autockpt.fit import BatchFit
 from autockpt.measure import measure
@@ -109,12 +110,21 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
         measured(plan.measured_peak_bytes, lambda value: _scoped(plan, value)),
     )
     peaks.add_row("budget", format_bytes(plan.budget_bytes), "")
-    peaks.add_row("peak without checkpointing", format_bytes(plan.no_checkpoint_peak_bytes), "")
+    peaks.add_row("peak without checkpointing", format_bytes(plan.baseline_peak_bytes), "")
+    if plan.baseline_peak_bytes != plan.no_checkpoint_peak_bytes:  # the model as written keeps more
+        peaks.add_row(
+            "the captured graph, no checkpoint", format_bytes(plan.no_checkpoint_peak_bytes), ""
+        )
     peaks.add_row("leanest plan's peak", format_bytes(plan.minimum_peak_bytes), "")
+    # Verification runs one step for its peak without timing it: say so rather than "not
+    # measured" beside a measured peak.
+    untimed = "not timed" if plan.measured_peak_bytes is not None else "not measured"
     peaks.add_row(
         "step time with the plan",
         f"{plan.predicted_step_seconds * 1e3:.2f} ms",
-        measured(plan.measured_step_seconds, lambda s: f"{s * 1e3:.2f} ms"),
+        untimed
+        if plan.measured_step_seconds is None
+        else f"{plan.measured_step_seconds * 1e3:.2f} ms",
     )
     peaks.add_row(
         "recompute",
@@ -127,22 +137,23 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     for name, justify in (
         ("#", "right"),
         ("stages", "left"),
-        ("first node", "left"),
-        ("last node", "left"),
+        ("first module (node)", "left"),
+        ("last module (node)", "left"),
         ("recompute", "right"),
         ("frees", "right"),
         ("rng", "left"),
         ("restores buffers", "left"),
         ("keeps", "left"),
     ):
-        # Node names are what a reader greps the graph for: wrap them, never elide them.
+        # Module paths are what a reader finds in the model, node names what they grep the
+        # graph for: wrap them, never elide them.
         segments.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for k, seg in enumerate(plan.segments):
         segments.add_row(
             str(k),
             f"[{seg.start_stage}, {seg.end_stage})",
-            seg.first_node,
-            seg.last_node,
+            seg.first_label,
+            seg.last_label,
             f"{seg.recompute_seconds * 1e3:.2f} ms",
             format_bytes(seg.bytes_freed),
             "yes" if seg.preserve_rng else "no",
@@ -282,7 +293,7 @@ def timeline_figure(plan: Plan) -> Figure:
         )
     forward_end = 1e3 * sum(timeline.stage_forward_seconds)
     ax.axvline(forward_end, color="black", linestyle=":", linewidth=1, label="end of forward")
-    ax.set_xlabel("time in one training step (predicted, ms)")
+    ax.set_xlabel("time in one training step (predicted from the probe's per-node times, ms)")
     ax.set_ylabel(f"live memory ({unit_name}, scope={plan.scope})")
     ax.set_title(f"{plan.model}: predicted memory over one step")
     ax.set_ylim(bottom=0)
@@ -402,6 +413,12 @@ class Frontier:
     sqrt_point: FrontierPoint
     per_block: FrontierPoint | None
     block_container: str | None
+    per_block_note: str | None = None
+    """Why there is no per-block point (``per_block`` None), for every report to say."""
+    as_written_peak_bytes: int | None = None
+    """The model as written without checkpointing (``Planner.as_written_peak_bytes``): the
+    baseline "no checkpointing" at the frontier's right end. ``no_checkpoint_peak_bytes``
+    is the captured graph's, where the budgets end (every plan runs the graph)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -415,9 +432,10 @@ def frontier(
     measure: bool = False,
     on_step: Callable[[str, int, int], None] | None = None,
 ) -> Frontier:
-    """Solve ``budgets`` budgets evenly spaced from the leanest plan's peak to the
-    no-checkpoint peak with one profile; keep the Pareto-optimal plans; add the sqrt(n)
-    and per-block plans. ``measure`` rewrites and measures every point (slow: one real
+    """Solve ``budgets`` budgets evenly spaced from the leanest plan's peak to the captured
+    graph's no-checkpoint peak (above it every budget gets the empty plan) with one profile;
+    keep the Pareto-optimal plans; add the sqrt(n) and per-block plans. The right end's
+    reference, "no checkpointing", is the model as written (``as_written_peak_bytes``). ``measure`` rewrites and measures every point (slow: one real
     step each). ``on_step(what, done, total)`` reports progress."""
     if budgets < 2:
         raise ValueError(f"a frontier needs at least 2 budgets, got {budgets}")
@@ -434,7 +452,8 @@ def frontier(
             continue
         segments = tuple(tuple(seg) for seg in solution.segments)
         if segments not in found:
-            found[segments] = _point(planner, "optimal", segments, step, budget)
+            # labelled with the solver's own status, as plan and show label it
+            found[segments] = _point(planner, solution.status, segments, step, budget)
     report("solving budgets", budgets, budgets)
     points = _pareto(list(found.values()))
     sqrt_point = _point(planner, "sqrt(n)", tuple(_sqrt_segments(planner)), step)
@@ -476,6 +495,8 @@ def frontier(
         sqrt_point=sqrt_point,
         per_block=per_block,
         block_container=container if block_segments else None,
+        per_block_note=None if block_segments else NO_BLOCKS,
+        as_written_peak_bytes=planner.as_written_peak_bytes,
     )
 
 
@@ -554,7 +575,7 @@ def frontier_figure(result: Frontier) -> Figure:
         [100 * p.overhead for p in result.points],
         marker="o",
         color="tab:blue",
-        label=f"optimal plans ({result.solver}), predicted",
+        label=f"plans across budgets ({result.solver}), predicted",
     )
     ax.plot(
         [result.sqrt_point.predicted_peak_bytes / unit],
@@ -592,13 +613,23 @@ def frontier_figure(result: Frontier) -> Figure:
         linewidth=1,
         label=f"leanest plan {format_bytes(result.minimum_peak_bytes)}",
     )
+    baseline = result.as_written_peak_bytes or result.no_checkpoint_peak_bytes
     ax.axvline(
-        result.no_checkpoint_peak_bytes / unit,
+        baseline / unit,
         color="tab:gray",
         linestyle=":",
         linewidth=1,
-        label=f"no checkpointing {format_bytes(result.no_checkpoint_peak_bytes)}",
+        label=f"no checkpointing {format_bytes(baseline)}",
     )
+    if baseline != result.no_checkpoint_peak_bytes:  # the model as written keeps more
+        ax.axvline(
+            result.no_checkpoint_peak_bytes / unit,
+            color="tab:olive",
+            linestyle=":",
+            linewidth=1,
+            label=f"the captured graph, no checkpoint "
+            f"{format_bytes(result.no_checkpoint_peak_bytes)}",
+        )
     ax.set_xlabel(f"peak memory ({unit_name}, scope={result.scope})")
     ax.set_ylabel("recompute overhead (% of a step)")
     ax.set_title(f"{result.model}: recompute vs peak memory across budgets")

@@ -82,3 +82,36 @@ def tiny_patch_transformer() -> tuple[nn.Module, torch.Tensor]:
 def not_a_module() -> tuple[object, torch.Tensor]:
     """A factory that returns something other than a module first (a user mistake)."""
     return object(), torch.ones(2)
+
+
+class LogitsLM(nn.Module):
+    """A small causal LM that returns logits, as most third-party model code does; the loss
+    (cross-entropy) is the training loop's. Its vocabulary is wide for its width, so the
+    loss's own log-probabilities are a large share of the step's peak."""
+
+    def __init__(self, vocab: int = 2048, dim: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.Sequential(*(PatchAttentionBlock(dim, 4) for _ in range(depth)))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits against a fixed target sequence (``--loss`` form: a
+    function of the model's output alone)."""
+    targets = torch.arange(logits.shape[0] * logits.shape[1]) % logits.shape[-1]
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets)
+
+
+def logits_lm() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return LogitsLM(), torch.randint(0, 2048, (8, 64))
+
+
+def logits_lm_with_loss() -> tuple[nn.Module, torch.Tensor, object]:
+    """The same model and inputs, with the loss the loop trains with as the third item."""
+    model, tokens = logits_lm()
+    return model, tokens, next_token_loss

@@ -4,7 +4,13 @@ save/load/apply the plan, and fail with typed errors where a user can go wrong."
 from __future__ import annotations
 
 import copy
+import functools
+import gc
+import json
+import logging
+import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -13,6 +19,7 @@ import autockpt
 from autockpt.api import Planner
 from autockpt.errors import GIB
 from autockpt.plan import Plan
+from autockpt.planning.cache import MAX_ENTRIES, cache_size
 from autockpt.rewrite import segments_of
 from autockpt_zoo.toy import ZOO
 from solvers.search import recompute_seconds
@@ -260,3 +267,180 @@ def test_the_stated_minimum_as_a_budget_succeeds_and_one_byte_less_says_both(nam
         planner.optimize(budget_gb=(least - 1) / GIB)
     assert refused.value.minimum_bytes == least
     assert f"({least - 1} bytes" in str(refused.value) and f"({least} bytes)" in str(refused.value)
+
+
+# -- repeated planning: the cache, the early refusal, progress ---------------------------
+
+
+def _spy_on_profiling(monkeypatch) -> list[str]:
+    """Count the expensive phases (the profile's probe and the recorded step) as they run."""
+    from autockpt.planning import prepared
+
+    calls: list[str] = []
+    profile, record = prepared.profile, prepared.record_trace
+
+    def spied_profile(*args, **kwargs):
+        calls.append("profile")
+        return profile(*args, **kwargs)
+
+    def spied_record(*args, **kwargs):
+        calls.append("record")
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(prepared, "profile", spied_profile)
+    monkeypatch.setattr(prepared, "record_trace", spied_record)
+    return calls
+
+
+def _without_timings(plan: Plan) -> dict:
+    """A plan's JSON without what measures time (every ``*seconds*`` field and the
+    recompute fraction, a ratio of measured seconds)."""
+
+    def walk(value):
+        if isinstance(value, dict):
+            return {
+                k: walk(v)
+                for k, v in value.items()
+                if "seconds" not in k and k != "recompute_fraction"
+            }
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(json.loads(plan.to_json()))
+
+
+def _mlp(width: int = 32, depth: int = 3) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def test_optimize_again_reuses_the_profile_and_plans_as_without_the_cache(monkeypatch):
+    """A second optimize of the same model and inputs profiles nothing, makes the plan an
+    uncached call makes (timings aside) and leaves the model and the RNG as found."""
+    autockpt.clear_cache()
+    calls = _spy_on_profiling(monkeypatch)
+    model, inputs = ZOO["gpt"]()
+    planner = quiet_planner(model, inputs)  # plans, and keeps its profile for later calls
+    assert calls == ["profile", "record"]
+    budget = budget_between(planner, 0.4) / GIB
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again = autockpt.optimize(model, inputs, budget_gb=budget)
+        assert calls == ["profile", "record"], "the second call profiled again"
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        cold = autockpt.optimize(model, inputs, budget_gb=budget, cache=False)
+    assert calls == ["profile", "record"] * 2
+    assert _without_timings(again.plan) == _without_timings(cold.plan)
+    assert again.plan.segments, "the budget should need checkpointing"
+    assert again.plan.minimum_peak_bytes == planner.minimum_peak_bytes
+    assert_same_step(train_step(model, inputs), train_step(again, inputs))
+
+
+def test_a_changed_model_inputs_or_options_never_reuse_a_stale_profile(monkeypatch):
+    """Every change the profile or the recorded step depends on misses the cache."""
+    autockpt.clear_cache()
+    calls = _spy_on_profiling(monkeypatch)
+    model, x = _mlp(), torch.randn(8, 32)
+
+    def plan(model=model, x=x, **kwargs):
+        quiet_planner(model, x, **kwargs)
+        return calls.count("profile")
+
+    def mse(out, target):
+        return (out - target).square().mean()
+
+    assert plan() == 1
+    assert plan() == 1  # the same model, inputs and options: reused
+    assert plan(x=torch.randn(8, 32)) == 1  # other values, same shapes: reused
+    assert plan(x=torch.randn(16, 32)) == 2  # input shape
+    assert plan(x=torch.randn(8, 64)[:, :32]) == 3  # a view of a larger storage
+    assert plan(optimizer=torch.optim.AdamW(model.parameters())) == 4
+    assert plan(optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == 5
+    assert plan(accumulation_steps=2) == 6
+    assert plan(loss_fn=lambda out: out.square().mean()) == 7
+    assert plan(loss_fn=functools.partial(mse, target=torch.zeros(8, 32))) == 8
+    assert plan(loss_fn=functools.partial(mse, target=torch.ones(8, 32))) == 8  # same shapes
+    assert plan(loss_fn=functools.partial(mse, target=torch.ones(1, 32))) == 9
+    assert plan(leaf_modules=["2"]) == 10
+    model[1].inplace = True  # a module's setting its repr shows
+    assert plan() == 11
+    model[0].weight.requires_grad_(False)
+    assert plan() == 12
+    model[0].weight.requires_grad_(True)
+    model[2].eval()  # a submodule's training flag
+    assert plan() == 13
+    model[2].train()
+    model[4].weight = torch.nn.Parameter(model[2].weight)  # tied parameters
+    assert plan() == 14
+    assert plan(model=_mlp()) == 15  # another model object, even an identical one
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert plan() == 16
+    assert plan(probe=False) == 17 and plan(probe=False) == 18  # shapes alone: not kept
+    assert plan(cache=False) == 19
+
+
+def test_the_cache_is_bounded_and_keeps_no_model_alive():
+    autockpt.clear_cache()
+    models = [_mlp() for _ in range(MAX_ENTRIES + 2)]
+    for model in models:
+        quiet_planner(model, torch.randn(4, 32))
+    assert cache_size() == MAX_ENTRIES
+    last = weakref.ref(models[-1])
+    del models, model
+    gc.collect()
+    assert last() is None and cache_size() == 0
+    autockpt.clear_cache()
+
+
+def test_a_budget_below_the_static_part_is_refused_before_profiling(monkeypatch):
+    """12 MiB of parameters against a 1 MiB budget: refused right after capture, with
+    where the memory goes, and the profile never ran."""
+    calls = _spy_on_profiling(monkeypatch)
+    model, x = _mlp(width=512, depth=12), torch.randn(8, 512)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert params > 12 * 2**20
+    optimizer = torch.optim.AdamW(model.parameters())
+    started = time.perf_counter()
+    with pytest.raises(autockpt.InfeasibleBudgetError, match="before profiling") as refused:
+        autockpt.optimize(model, x, budget_gb=1 / 1024, optimizer=optimizer)
+    assert time.perf_counter() - started < 10
+    assert calls == []
+    error = refused.value
+    assert error.lower_bound and error.budget_bytes == 2**20
+    assert error.breakdown["parameters"] == error.breakdown["gradients"] == params
+    assert error.breakdown["optimizer state"] >= 2 * params  # AdamW's two moments
+    assert error.minimum_bytes == sum(error.breakdown.values()) > params
+    assert not optimizer.state  # the user's optimizer was never stepped
+
+
+def test_planning_reports_its_phases_through_logging_and_progress(caplog):
+    autockpt.clear_cache()
+    logger = logging.getLogger("autockpt")
+    assert all(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    caplog.set_level(logging.INFO, logger="autockpt")
+    model, x = _mlp(), torch.randn(8, 32)
+    told: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autockpt.optimize(model, x, budget_gb=1.0, progress=told.append)
+    logged = [r.getMessage() for r in caplog.records if r.name == "autockpt"]
+    for phase in ("capture", "profile", "record", "search", "verify"):
+        assert any(m.startswith(f"{phase}: done in ") and m.endswith(" s") for m in logged), phase
+    assert any(t.startswith("profiling") for t in told) and "measuring the plan" in told
+    caplog.clear()
+    planner = quiet_planner(model, x)  # the cache's: nothing profiled, and it says so
+    logged = [r.getMessage() for r in caplog.records if r.name == "autockpt"]
+    assert any("reused" in m for m in logged)
+    assert not any(m.startswith("profile: done") for m in logged)
+    later: list[str] = []
+    planner.progress = later.append  # set between phases, as the CLI does
+    planner.optimize(budget_gb=1.0)
+    assert later == ["solving", "measuring the plan"]

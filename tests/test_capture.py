@@ -12,6 +12,7 @@ from torch import nn
 
 import autockpt
 from autockpt.capture import Capture, Inputs, capture, given_input_names
+from autockpt.capture.captured import node_module
 from autockpt.costs.interpret import run_graph
 
 WIDTH = 8
@@ -182,6 +183,40 @@ def test_untraceable_submodule_becomes_a_leaf():
     assert not any(str(n.target).startswith("router.") for n in cap.graph.nodes)
     assert any("router" in note for note in cap.warnings)
     torch.testing.assert_close(run_graph(cap, model, Inputs.of(x)), model(x))
+
+
+def _source_line(fn: object, text: str) -> str:
+    """``file:line`` of the line of ``fn``'s source that holds ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    offset = next(k for k, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(fn)}:{first + offset}"
+
+
+class RoutedStack(nn.Module):
+    """Two routed models: the same untraceable line in two submodules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([RoutedModel(), RoutedModel()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_untraceable_leaves_say_why_once_per_reason():
+    """A leaf made opaque says why: the line fx could not trace and its error, one note for
+    every module that failed the same way (each layer of a stack)."""
+    cap = _capture(RoutedStack(), _x())
+    assert cap.leaf_modules == ("layers.0.router", "layers.1.router")
+    where = _source_line(ValueRouter.forward, "if x.sum() > 0:")
+    notes = [note for note in cap.warnings if "kept whole" in note]
+    assert notes == [
+        "layers.0.router, layers.1.router kept whole (opaque leaves): fx cannot trace the code "
+        f"at {where}: `if x.sum() > 0:` (TraceError: symbolically traced variables cannot be "
+        "used as inputs to control flow); each runs as one call the plan cannot checkpoint inside"
+    ]
 
 
 def test_user_leaf_modules_stay_calls():
@@ -467,3 +502,62 @@ def test_export_constants_are_profiled_and_rewritten():
     torch.testing.assert_close(run_graph(cap, model, Inputs.of(x)), model(x))
     fast = autockpt.optimize(model, x, budget_gb=1.0)
     torch.testing.assert_close(fast(x), model(x))
+
+
+# --------------------------------------------------------------------------------------------
+# module paths of nodes
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class TinyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention()
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Dropout(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class TwiceCalled(nn.Module):
+    """Blocks, the first called again at the end (export names the second call
+    ``blocks.0@1``), and the root's own code around them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TinyBlock(), TinyBlock()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return torch.tanh(self.blocks[0](x))
+
+
+def test_nodes_carry_module_paths_alike_under_fx_and_export():
+    torch.manual_seed(0)
+    model, x = TwiceCalled().train(), torch.randn(2, 4, WIDTH)
+    by_fx = _capture(model, x, method="fx")
+    by_export = _capture(model, x, method="export")
+    assert (by_fx.method, by_export.method) == ("fx", "export")
+    paths = {
+        cap.method: [node_module(n) for n in cap.compute_nodes()] for cap in (by_fx, by_export)
+    }
+    modules = {name for name, _ in model.named_modules()}
+    assert set(paths["fx"]) == set(paths["export"]) <= modules
+    for found in paths.values():
+        assert found[-1] == ""  # the root's tanh
+        assert "blocks.0.attn" in found and "blocks.1.mlp.2" in found  # a Dropout's node
+        assert found[-2] == "blocks.0"  # its second call's residual add, not "blocks.0@1"
+    softmax = [n for n in by_export.compute_nodes() if "softmax" in str(n.target)]
+    assert [node_module(n) for n in softmax] == ["blocks.0.attn", "blocks.1.attn", "blocks.0.attn"]

@@ -319,7 +319,7 @@ def test_a_larger_batch_follows_on_larger_input(planned_branch):
         fast(larger)
     copied = copy.deepcopy(fast)
     copied.on_larger_input = "warn"
-    with pytest.warns(UncoveredCallWarning, match="larger than planned"):
+    with pytest.warns(autockpt.LargerInputWarning, match="larger than planned"):
         got = train_step(copied, larger)
     assert_same_step(train_step(copy.deepcopy(model), larger), got)
 

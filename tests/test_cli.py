@@ -327,3 +327,57 @@ def test_bench_solvers_quick_writes_its_report(tmp_path):
     report = json.loads(result.stdout)  # the running report went to stderr
     assert report == {"benchmark": "solvers", "out": str(tmp_path / "bench")}
     assert any((tmp_path / "bench").glob("*.json")) and any((tmp_path / "bench").glob("*.png"))
+
+
+def test_the_loss_is_the_users_in_plan_and_verify(tmp_path):
+    """A model returning logits, trained with cross-entropy: a plan made without the loss
+    (the sum of the logits) exceeds its budget on the real step, and `verify` with the
+    factory's loss says so (exit 1) instead of "ok"; planned with the loss (the factory's
+    third item, or --loss), the same budget holds on the real step. The plan records which
+    loss it covers."""
+    budget = "0.0195"  # halfway between the cross-entropy step's leanest plan and none
+    summed = tmp_path / "summed.json"
+    made = run("plan", "tests.cli_models:logits_lm", "--budget-gb", budget, "-o", str(summed))
+    assert made.returncode == 0, made.stderr
+    assert "note: no loss given" in made.stdout and "Warning" not in made.stderr
+    plan = json.loads(summed.read_text())
+    assert plan["loss"] == "default" and any("loss: default" in n for n in plan["notes"])
+    checked = run("verify", "tests.cli_models:logits_lm_with_loss", str(summed))
+    assert checked.returncode == cli.EXIT_VERIFY, checked.stderr + checked.stdout
+    assert "plan was made with loss default" in checked.stdout
+    assert "FAIL peak within budget" in checked.stdout
+
+    with_loss = tmp_path / "ce.json"
+    made = run(
+        "plan", "tests.cli_models:logits_lm_with_loss", "--budget-gb", budget, "-o", str(with_loss)
+    )
+    assert made.returncode == 0, made.stderr
+    plan = json.loads(with_loss.read_text())
+    assert plan["loss"] == "tests.cli_models:next_token_loss"
+    checked = run("verify", "tests.cli_models:logits_lm_with_loss", str(with_loss), "--json")
+    assert checked.returncode == 0, checked.stderr + checked.stdout
+    report = json.loads(checked.stdout)
+    assert report["ok"] and report["peak_bytes"] <= report["budget_bytes"]
+    assert report["loss"] == report["plan_loss"] == "tests.cli_models:next_token_loss"
+
+    flag = tmp_path / "flag.json"
+    spec, loss = "tests.cli_models:logits_lm", "tests.cli_models:next_token_loss"
+    made = run("plan", spec, "--budget-gb", budget, "-o", str(flag), "--loss", loss)
+    assert made.returncode == 0, made.stderr
+    again = json.loads(flag.read_text())
+    assert again["loss"] == loss
+
+    def stages(p: dict) -> list[tuple[int, int]]:
+        return [(seg["start_stage"], seg["end_stage"]) for seg in p["segments"]]
+
+    assert stages(again) == stages(plan)
+
+
+def test_a_loss_that_cannot_be_imported_or_called_exits_5(tmp_path):
+    out = str(tmp_path / "p.json")
+    bad = run("plan", "tests.cli_models:logits_lm", "--budget-gb", "1", "--loss", "nowhere:f")
+    assert_user_error(bad, cli.EXIT_SPEC, "cannot import 'nowhere'")
+    spelled = run(
+        "plan", "tests.cli_models:logits_lm", "--budget-gb", "1", "-o", out, "--loss", "x"
+    )
+    assert_user_error(spelled, cli.EXIT_SPEC, "--loss must look like package.module:function")

@@ -212,3 +212,87 @@ def test_precision_note_round_trips():
     ):
         assert Precision.from_notes(["other", precision.note()]) == precision
     assert Precision.from_notes(["a plan made before precision was noted"]) is None
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_step(compiled: nn.Module, x: torch.Tensor) -> dict:
+    """A step through a ``torch.compile`` wrapper, named as the model's own parameters."""
+    step = train_step(compiled, x)
+    for key in ("grads", "buffers"):
+        step[key] = {name.removeprefix("_orig_mod."): v for name, v in step[key].items()}
+    return step
+
+
+def _precision_warnings(step) -> tuple[dict, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = step()
+    return result, [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+
+
+@pytest.mark.parametrize("planned", ["float32", "autocast"])
+def test_compile_after_an_eager_step_in_another_precision_trains_like_eager(
+    autocast_planner, fresh_dynamo, planned
+):
+    """Regression: an eager training call in another precision than planned (a float32
+    plan under autocast) warned and recorded that precision as a frozen dataclass in the
+    model's record of warnings; compiling the model afterwards failed at the first call
+    ("can't reconstruct arbitrary frozen dataclass instances"), since the call check reads
+    that record when it is traced. Compiled steps after it, under autocast and without,
+    equal eager's, and the check says what it said before: once per precision."""
+    if planned == "autocast":
+        model, x, planner = autocast_planner
+        other, same = contextlib.nullcontext, autocast
+    else:
+        model, x = _mlp()
+        planner = Planner(model, x)
+        other, same = autocast, contextlib.nullcontext
+
+    def optimized(**kwargs) -> nn.Module:
+        with same():
+            return planner.optimize(budget_gb=budget_gb_between(planner, 0.0), **kwargs)
+
+    fast = optimized()
+    assert fast.plan.segments and fast.plan.capture_method != "export"
+    reference = copy.deepcopy(model)
+    with other():
+        expected_other = train_step(reference, x)
+        with pytest.warns(PrecisionWarning, match="so its memory is not what the plan"):
+            assert_same_step(expected_other, train_step(fast, x))  # the eager step
+    with same():
+        expected_same = train_step(reference, x)
+
+    compiled = torch.compile(fast, backend="aot_eager")
+    with other():
+        got, said = _precision_warnings(lambda: _compiled_step(compiled, x))
+    assert not said  # said by the eager step already
+    assert_same_step(expected_other, got)
+    with same():
+        got, said = _precision_warnings(lambda: _compiled_step(compiled, x))
+    assert not said  # the planned precision
+    assert_same_step(expected_same, got)
+    # A result that has not warned says it when its call in the other precision is traced.
+    again = torch.compile(optimized(verify=False), backend="aot_eager")
+    with other():
+        got, said = _precision_warnings(lambda: _compiled_step(again, x))
+    assert len(said) == 1 and "so its memory is not what the plan" in said[0]
+    assert_same_step(expected_other, got)
+
+
+def test_export_plan_after_an_eager_step_is_refused_compiled_in_another_precision(
+    export_fast, fresh_dynamo
+):
+    model, x, fast = export_fast
+    fast = copy.deepcopy(fast)
+    train_step(fast, x)
+    compiled = torch.compile(fast, backend="aot_eager")
+    assert_same_step(train_step(copy.deepcopy(model), x), _compiled_step(compiled, x))
+    with autocast():
+        with pytest.raises(PlanMismatchError, match="captured with torch.export"):
+            compiled(x)

@@ -154,6 +154,14 @@ def test_plan_round_trips_and_apply_reproduces_it(planned):
         autockpt.apply(model, plan, {"x": torch.randn(2, 32, 8), "labels": inputs["labels"][:2]})
 
 
+def test_segments_name_their_modules_from_the_root(planned):
+    model, plan = planned[0], planned[3].plan
+    modules = {name for name, _ in model.named_modules()}
+    for seg in plan.segments:  # node names are the body's graph's; module paths the model's
+        for module in (seg.first_module, seg.last_module):
+            assert module in modules and (module == "body" or module.startswith("body."))
+
+
 def test_plans_written_before_the_field_still_load(planned):
     data = json.loads(planned[3].plan.to_json())
     data.pop("submodule")

@@ -132,3 +132,89 @@ def test_one_scope_rule_for_the_planner_and_the_plan():
     assert planner.budgeted_bytes(measurement) == fast.plan.budgeted_bytes(measured)
     assert fast.plan.budgeted_bytes(measured) == scoped_bytes(measured, "activations", static)
     assert fast.plan.budgeted_bytes(measured) <= fast.plan.budget_bytes < measured
+
+
+class _KeepsScores(torch.nn.Module):
+    """Falls back to torch.export (``len(x)`` in the root's own code) and, like
+    x-transformers' ``Intermediates``, keeps every layer's scores alive until its forward
+    returns, where the captured graph drops them (never used: dead code to export)."""
+
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch = len(x)
+        kept = []
+        for layer in self.layers:
+            scores = x @ x.transpose(-1, -2)
+            kept.append(scores.clone())
+            x = x + layer(self.drop(torch.softmax(scores, -1) @ x))
+        return x.reshape(batch, -1)
+
+
+class _LoopVariable(torch.nn.Module):
+    """Traced by fx; its forward's loop variable holds the last layer's attention output
+    (not saved for backward: the projection saves its reshaped copy) until it returns, at
+    the end of the forward, where this step peaks."""
+
+    def __init__(self, width: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(depth))
+        self.out = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.up = torch.nn.ModuleList(torch.nn.Linear(width, 4 * width) for _ in range(depth))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(4 * width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for qkv, out, up, down in zip(self.qkv, self.out, self.up, self.down, strict=True):
+            q, k, v = qkv(x).chunk(3, -1)
+            q, k, v = (t.unflatten(-1, (4, 16)).transpose(1, 2) for t in (q, k, v))
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+            x = x + out(attended.transpose(1, 2).flatten(2))
+            x = x + torch.nn.functional.dropout(down(torch.nn.functional.gelu(up(x))), 0.1)
+        return x
+
+
+def _eager_peak(model: torch.nn.Module, inputs: tuple) -> int:
+    from autockpt.measure import measure
+
+    return measure(model, inputs, repeat=0).peak_bytes
+
+
+def test_the_baseline_is_the_model_as_written_where_its_export_graph_keeps_less():
+    torch.manual_seed(0)
+    model, x = _KeepsScores().train(), torch.randn(4, 96, 64)
+    planner = quiet_planner(model, (x,), cache=False)
+    assert planner.capture.method == "export"
+    written, graph = planner.as_written_peak_bytes, planner.no_checkpoint_peak_bytes
+    eager = _eager_peak(model, (x,))  # the test may run the unmodified step; planning never
+    assert abs(written - eager) <= 0.01 * eager
+    assert written - graph > 0.2 * written  # three layers' scores, 96x96 each, kept
+    low = planner.minimum_peak_bytes
+    plan = planner.optimize(budget_gb=(low + written) / 2 / 2**30).plan
+    assert plan.as_written_peak_bytes == written == plan.baseline_peak_bytes
+    assert plan.no_checkpoint_peak_bytes == graph
+    (note,) = [n for n in plan.notes if n.startswith("the captured graph without checkpointing")]
+    assert f"{written - graph} bytes ({100 * (written - graph) / written:.1f}%) below" in note
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_an_fx_graph_of_modules_peaks_like_the_model_as_written():
+    model, inputs = ZOO["gpt"]()  # dropout in attention and MLP
+    planner = quiet_planner(model, inputs, cache=False)
+    assert planner.capture.method == "fx"
+    assert planner.as_written_peak_bytes == planner.no_checkpoint_peak_bytes
+    eager = _eager_peak(model, inputs if isinstance(inputs, tuple) else (inputs,))
+    assert abs(planner.as_written_peak_bytes - eager) <= 0.01 * eager
+
+
+def test_a_forward_variable_the_fx_graph_frees_counts_in_the_baseline():
+    torch.manual_seed(0)
+    model, x = _LoopVariable().train(), torch.randn(4, 128, 64)
+    planner = quiet_planner(model, (x,), cache=False)
+    assert planner.capture.method == "fx"
+    written, graph = planner.as_written_peak_bytes, planner.no_checkpoint_peak_bytes
+    eager = _eager_peak(model, (x,))
+    assert eager - graph > 0.01 * eager  # the graph's own peak is no baseline here
+    assert abs(written - eager) <= 0.01 * eager

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import torch
+from torch import nn
 
 from autockpt import Plan, PlanFormatError
 from autockpt.api import Planner
@@ -126,6 +128,16 @@ def test_plan_table_names_every_segment_and_the_peaks(plan):
     assert plan.solver in text and plan.solver_status in text
 
 
+def test_a_verified_but_untimed_step_is_not_called_unmeasured(plan):
+    """optimize verifies with one untimed step: the table shows its peak and says the step
+    was not timed (not "not measured" beside a measured peak)."""
+    verified = dataclasses.replace(plan, measured_peak_bytes=plan.predicted_peak_bytes)
+    text = render_plan(verified)
+    assert "not timed" in text and "not measured" not in text
+    timed = dataclasses.replace(verified, measured_step_seconds=0.0123)
+    assert "12.30 ms" in render_plan(timed)
+
+
 def test_timeline_figure_has_both_curves_and_the_budget(plan, tmp_path):
     fig = timeline_figure(plan)
     (ax,) = fig.axes
@@ -144,8 +156,19 @@ def test_timeline_figure_has_both_curves_and_the_budget(plan, tmp_path):
     assert max(curve.get_ydata()) == pytest.approx(plan.predicted_peak_bytes / 2**20)
     assert max(base.get_ydata()) == pytest.approx(plan.no_checkpoint_peak_bytes / 2**20)
     assert max(curve.get_ydata()) <= budget.get_ydata()[0] < max(base.get_ydata())
-    # the plan's step is longer by its recompute
+    # the plan's step is longer by its recompute, the seconds the tables report (one time
+    # model in every report): each recompute band is its segment's recompute, less the fixed
+    # cost of entering a checkpoint
     assert curve.get_xdata()[-1] > base.get_xdata()[-1]
+    drawn = sum(
+        1e3 * seconds for phase, _, _, seconds in plan.timeline.plan_events() if phase == "r"
+    )
+    stage_ms = [1e3 * t for t in plan.timeline.stage_forward_seconds]
+    for seg in plan.segments:
+        inside = sum(stage_ms[seg.start_stage : seg.end_stage])
+        assert inside <= seg.recompute_seconds * 1e3 + 1e-6
+    assert drawn <= plan.predicted_recompute_seconds * 1e3 + 1e-6
+    assert drawn == pytest.approx(plan.predicted_recompute_seconds * 1e3, rel=0.5)
     save_figure(fig, str(tmp_path / "timeline.png"))
     assert_png(tmp_path / "timeline.png")
 
@@ -178,6 +201,10 @@ def test_frontier_is_pareto_from_leanest_to_none_with_baselines(planner, tmp_pat
         assert point.budget_bytes is not None and point.predicted_peak_bytes <= point.budget_bytes
     assert len(result.sqrt_point.segments) == math.isqrt(planner.chain.num_stages - 1) + 1
     assert result.per_block is not None and result.block_container == "blocks"
+    assert result.per_block_note is None
+    # every point is labelled with its solver's status, as plan and show label plans
+    assert {p.label for p in points} <= {"optimal", "feasible"}
+    assert points[0].label == planner.solve(points[0].budget_bytes).status
     # the optimal plans are at least as good as either baseline at the baseline's peak
     for baseline in (result.sqrt_point, result.per_block):
         fitting = [p for p in points if p.predicted_peak_bytes <= baseline.predicted_peak_bytes]
@@ -189,9 +216,9 @@ def test_frontier_is_pareto_from_leanest_to_none_with_baselines(planner, tmp_pat
     (ax,) = fig.axes
     assert "peak memory" in ax.get_xlabel() and "overhead" in ax.get_ylabel()
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    for start in ("optimal plans", "sqrt(n)", "per block", "leanest plan", "no checkpointing"):
+    for start in ("plans across", "sqrt(n)", "per block", "leanest plan", "no checkpointing"):
         assert any(t.startswith(start) for t in legend), (start, legend)
-    optimal = next(line for line in ax.get_lines() if line.get_label().startswith("optimal"))
+    optimal = next(line for line in ax.get_lines() if line.get_label().startswith("plans across"))
     assert len(optimal.get_xdata()) == len(points)
     save_figure(fig, str(tmp_path / "frontier.png"))
     assert_png(tmp_path / "frontier.png")
@@ -274,3 +301,67 @@ def test_user_guide_factories_build(monkeypatch):
     gpt2, inputs = my_models.gpt2()
     assert isinstance(gpt2, nn.Module) and set(inputs) == {"input_ids", "labels"}
     assert gpt2(**inputs).loss.ndim == 0
+
+
+def test_user_guide_first_model_trains_like_eager_within_its_budget(monkeypatch):
+    """docs/user-guide.md's first model (docs/examples/first_model.py), as the guide runs
+    it: the GPT returning logits planned with its loss and AdamW under 0.2 GiB trains like
+    the original (losses, gradients, parameters after the step) and its iteration, measured,
+    is within the budget."""
+    import copy
+
+    import autockpt
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "docs" / "examples"))
+    import first_model
+
+    model, idx, loss_fn = first_model.first_model()
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    fast = autockpt.optimize(model, (idx,), budget_gb=0.2, loss_fn=loss_fn, optimizer=opt)
+    assert isinstance(fast, first_model.GPT) and fast.plan.loss == "first_model:next_token_loss"
+    assert fast.plan.segments
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=3e-4)
+    for net, optimizer in ((fast, opt), (eager, eager_opt)):
+        torch.manual_seed(1)
+        optimizer.zero_grad()
+        loss_fn(net(idx)).backward()
+        optimizer.step()
+    for (name, a), b in zip(fast.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    measured = autockpt.measure(fast, (idx,), loss_fn=loss_fn, optimizer=opt, repeat=1)
+    assert measured.peak_bytes <= fast.plan.budget_bytes
+
+
+class _LayersByName(nn.Module):
+    """Layers held by name in an ``nn.ModuleDict`` (as some model code does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(
+            {f"l{k}": nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for k in range(4)}
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = x + layer(x)
+        return x
+
+
+class _NoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, 64), nn.Conv1d(64, 32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).transpose(1, 2)).transpose(1, 2)
+
+
+def test_frontier_has_a_per_block_row_for_layers_by_name_and_says_why_when_none():
+    torch.manual_seed(0)
+    with_dict = frontier(Planner(_LayersByName(), (torch.randn(64, 8, 32),)), budgets=3)
+    assert with_dict.per_block is not None and with_dict.block_container == "layers"
+    assert len(with_dict.per_block.segments) == 4 and with_dict.per_block_note is None
+    without = frontier(Planner(_NoLayers(), (torch.randn(64, 8, 32),)), budgets=3)
+    assert without.per_block is None and "no repeated blocks" in without.per_block_note
+    assert without.to_dict()["per_block_note"] == without.per_block_note

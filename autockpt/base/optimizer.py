@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autockpt.base.allocations import StorageSet
 from autockpt.errors import OptimizerError
 
 
@@ -94,6 +96,29 @@ def step(optimizer: torch.optim.Optimizer) -> None:
                 "optimizer.step()"
             ) from error
         raise
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, stepped: Collection[int]) -> int:
+    """Bytes of the state ``optimizer`` keeps after a step in which the parameters whose
+    ``id`` is in ``stepped`` have a gradient (the others have none, so get no state): a
+    stand-in stepped once on fake tensors, before anything is profiled. No memory for data
+    is allocated and the user's optimizer is left as found."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    twins: dict[int, torch.Tensor] = {}
+
+    def twin(p: torch.Tensor) -> torch.Tensor:
+        if id(p) not in twins:
+            fake = mode.from_tensor(p)
+            if id(p) in stepped:
+                with mode:
+                    fake.grad = torch.zeros_like(fake)
+            twins[id(p)] = fake
+        return twins[id(p)]
+
+    stepping = stand_in(optimizer, twin)
+    with mode:
+        step(stepping)
+    return StorageSet().add(state_tensors(stepping))
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

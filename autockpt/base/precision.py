@@ -91,6 +91,12 @@ class Precision:
             dtypes = {_name(p.dtype) for p in model.parameters() if p.is_floating_point()}
         return Precision(tuple(sorted(dtypes)), autocast_state(), torch.is_autocast_cache_enabled())
 
+    def key(self) -> tuple[str, tuple[str, ...], tuple[tuple[str, str], ...], bool]:
+        """This precision as a plain tuple (strings and a bool): what an optimized model's
+        record of warnings holds for it. ``torch.compile`` reads that record as a constant
+        when it traces a call check, and cannot rebuild a frozen dataclass there."""
+        return ("precision", self.parameters, self.autocast, self.autocast_cache)
+
     def describe(self) -> str:
         """``"float32 parameters under cpu bfloat16 autocast"`` and the like."""
         params = "/".join(self.parameters) or "no floating"
@@ -308,7 +314,10 @@ def precision_problem(module: nn.Module, plan: Any, specialised: bool, warned: s
 
     Under ``torch.compile`` it runs once per trace, outside the graph: the precision is
     part of what a compiled graph is guarded on (autocast state, parameter dtypes), so a
-    call in another precision traces again and checks again."""
+    call in another precision traces again and checks again. Dynamo hands it a copy of
+    ``warned``, rebuilt from its items, so the set holds only plain values (a precision as
+    :meth:`Precision.key`): a frozen dataclass in it made every trace after an eager
+    warning fail ("can't reconstruct arbitrary frozen dataclass instances")."""
     planned = planned_precision(plan) if plan is not None else None
     if planned is None:
         return ""
@@ -326,8 +335,8 @@ def precision_problem(module: nn.Module, plan: Any, specialised: bool, warned: s
             message + ". Its graph was captured with torch.export for the planned precision "
             "and cannot run under another one"
         )
-    if current not in warned:
-        warned.add(current)
+    if current.key() not in warned:  # plain tuples only: the set reaches torch.compile
+        warned.add(current.key())
         warnings.warn(message, PrecisionWarning, stacklevel=7)
     return ""
 

@@ -24,18 +24,31 @@ from torch.utils import _pytree as pytree
 
 from autockpt.base.inputs import Inputs
 from autockpt.base.rng import RngStates
+from autockpt.errors import DefaultLossWarning
 
 LossFn = Callable[[Any], torch.Tensor]
 
 
+DEFAULT_LOSS = "default"
+"""What a plan records as its loss when no ``loss_fn`` was given (:func:`default_loss`)."""
+
+_summed_once = False  # whether the summed-output message was given in this process
+
+
 def default_loss(output: Any) -> torch.Tensor:
     """The scalar to differentiate when the user gives no ``loss_fn``: the output's ``loss``
-    field when it has one (Hugging Face style), else the sum over its floating tensors."""
+    field when it has one (Hugging Face style), else the sum over its floating tensors.
+
+    The sum is rarely the loss a user trains with, and a loss's own kernels and
+    intermediates are part of the step's peak (a cross-entropy over logits keeps a
+    logits-sized tensor), so the first summed step in a process says so once
+    (:class:`autockpt.DefaultLossWarning`)."""
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, dict):
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
+    _say_summed_once()
     tensors = [
         t
         for t in pytree.tree_leaves(_as_pytree(output))
@@ -47,6 +60,34 @@ def default_loss(output: Any) -> torch.Tensor:
             "mapping the output to a scalar loss"
         )
     return sum(t.float().sum() for t in tensors)
+
+
+def _say_summed_once() -> None:
+    global _summed_once
+    if _summed_once:
+        return
+    _summed_once = True
+    warnings.warn(
+        "no loss_fn given and the model's output has no `loss`: autockpt differentiates the "
+        "sum of the output's floating tensors, and plans and checks the budget for that loss. "
+        "The loss you train with has its own memory (a cross-entropy keeps a logits-sized "
+        "tensor): pass loss_fn= (command line: --loss package.module:function, or a factory "
+        "returning (model, example_inputs, loss_fn)).",
+        DefaultLossWarning,
+        stacklevel=3,
+    )
+
+
+def loss_name(loss_fn: LossFn | None) -> str:
+    """How a plan names its loss: ``"default"`` (:func:`default_loss`), else the callable's
+    ``module:qualname`` (a ``functools.partial`` by its function), so that a plan applied or
+    verified with another loss can tell."""
+    if loss_fn is None or loss_fn is default_loss:
+        return DEFAULT_LOSS
+    target = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}:{qualname}"
 
 
 def _as_pytree(output: Any) -> Any:

@@ -64,6 +64,23 @@ class Capture:
         return digest.hexdigest()[:16]
 
 
+def node_module(node: fx.Node) -> str:
+    """The qualified name, in the captured model, of the innermost module whose code made
+    ``node``: a ``call_module`` node's target, else the last entry of its
+    ``nn_module_stack`` (fx and ``torch.export`` graphs both record it; export marks a
+    module's later calls as ``name@1``, the same module); ``""`` for the root's own code
+    (a node with no stack: fx records none there)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    key, value = next(reversed(stack.items()))
+    # fx and export store (qualified name, class); older graphs keyed by the name only
+    path = value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key
+    return ".".join(part.split("@")[0] for part in str(path).split("."))
+
+
 def _target_name(target: Any) -> str:
     if isinstance(target, str):
         return target

@@ -26,8 +26,6 @@ and buffer objects (``state_dict()`` keys stay the same, optimizers keep working
 
 from __future__ import annotations
 
-import linecache
-import traceback
 from collections.abc import Iterable
 
 from torch import nn
@@ -37,7 +35,7 @@ from autockpt.base.runtime import as_found
 from autockpt.capture.captured import Capture
 from autockpt.capture.export import _capture_export
 from autockpt.capture.fx import _trace_fx_with_leaves
-from autockpt.capture.watch import _AUTOCKPT_DIR, _TORCH_DIR, _Unfaithful
+from autockpt.capture.watch import _Unfaithful, _user_frame
 from autockpt.errors import TraceError
 
 
@@ -153,16 +151,3 @@ def _trace_error(
         reason += f"; torch.export also failed: {type(also).__name__}: {str(also).splitlines()[0] if str(also) else ''}"
     # fx failed in the root's own code and export was tried too: nothing reaches inside
     return TraceError(module, location, line, reason, in_root_code=not module and also is not None)
-
-
-def _user_frame(error: BaseException) -> tuple[str, str]:
-    """The deepest traceback frame outside torch: the user's line that broke tracing."""
-    frames = traceback.extract_tb(error.__traceback__)
-    for frame in reversed(frames):
-        if frame.filename.startswith(_TORCH_DIR) or frame.filename.startswith("<"):
-            continue
-        if frame.filename.startswith(_AUTOCKPT_DIR):  # autockpt's own code, any floor
-            continue
-        line = frame.line or linecache.getline(frame.filename, frame.lineno or 0).strip()
-        return f"{frame.filename}:{frame.lineno}", line
-    return "<unknown>", ""

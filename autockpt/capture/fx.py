@@ -32,7 +32,9 @@ from autockpt.capture.watch import (
     _Sighting,
     _Unfaithful,
     _unique,
+    _untraceable_reason,
     _Watch,
+    leaf_note,
 )
 
 _MAX_LEAF_RETRIES = 64
@@ -201,7 +203,7 @@ def _trace_fx_with_leaves(
     attempt: tracing runs the model's code, but consumes no random numbers, and the next
     attempt must not read the proxies fx left in slots the model assigns."""
     auto_leaves: list[str] = []
-    failed_leaves: list[str] = []
+    failed_leaves: dict[str, str] = {}  # module -> why fx could not trace it
     fidelity_notes: dict[str, str] = {}
     concrete = _concrete_args(model, inputs, input_names)
     shape = _call_shape(model, inputs, input_names)
@@ -216,7 +218,7 @@ def _trace_fx_with_leaves(
                 failed = tracer.failed_module
                 if failed and failed not in auto_leaves and failed not in leaves:
                     auto_leaves.append(failed)
-                    failed_leaves.append(failed)
+                    failed_leaves[failed] = _untraceable_reason(error)
                     continue
                 return (failed or "", error)
             moved = set(found_rng.changed())
@@ -232,7 +234,7 @@ def _trace_fx_with_leaves(
                 # leaves found inside it earlier are never reached now
                 inside = [m for m in auto_leaves if m.startswith(f"{module}.")]
                 auto_leaves = [m for m in auto_leaves if m not in inside]
-                failed_leaves = [m for m in failed_leaves if m not in inside]
+                failed_leaves = {m: r for m, r in failed_leaves.items() if m not in inside}
                 fidelity_notes = {m: n for m, n in fidelity_notes.items() if m not in inside}
                 auto_leaves.append(module)
                 fidelity_notes[module] = _leaf_note(module, found[module])
@@ -243,12 +245,27 @@ def _trace_fx_with_leaves(
         if tracer.saw_checkpoint:
             notes.append(_CHECKPOINT_WARNING)
             warnings.warn(_CHECKPOINT_WARNING, stacklevel=3)
-        if failed_leaves:
-            notes.append("untraceable submodules run as opaque leaves: " + ", ".join(failed_leaves))
+        notes += _untraceable_notes(failed_leaves)
         notes += fidelity_notes.values()
         method = "fx+leaves" if auto_leaves else "fx"
         return Capture(gm, method, tuple(sorted(leaves | set(auto_leaves))), notes)
     return ("", RuntimeError(f"gave up after {_MAX_LEAF_RETRIES} leaf retries"))
+
+
+def _untraceable_notes(failed: dict[str, str]) -> list[str]:
+    """One note per reason fx could not trace submodules that became leaves, naming every
+    module it holds for (the layers of a stack fail on the same line)."""
+    modules: dict[str, list[str]] = {}
+    for module, reason in failed.items():
+        modules.setdefault(reason, []).append(module)
+    return [
+        leaf_note(
+            names,
+            f"{reason}; {'each' if len(names) > 1 else 'it'} runs as one call the plan "
+            "cannot checkpoint inside",
+        )
+        for reason, names in modules.items()
+    ]
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ import linecache
 import os
 import random
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -117,6 +118,13 @@ def _what_fx_loses(sightings: list[_Sighting]) -> str:
     return " and ".join(parts)
 
 
+def leaf_note(modules: list[str], reason: str) -> str:
+    """The note that says why ``modules`` (one or more, for one reason) run as opaque
+    leaves: one node each to the planner, which cannot checkpoint inside them."""
+    what = "opaque leaves" if len(modules) > 1 else "opaque leaf"
+    return f"{', '.join(modules)} kept whole ({what}): {reason}"
+
+
 def _leaf_note(module: str, sightings: list[_Sighting]) -> str:
     draws = any(s.generator is not None for s in sightings)
     assignments = any(s.slot is not None for s in sightings)
@@ -129,7 +137,31 @@ def _leaf_note(module: str, sightings: list[_Sighting]) -> str:
     if assignments:
         why.append("the value it assigns is stored when it runs")
     because = " and ".join(why)
-    return f"module '{module}' {_what_fx_loses(sightings)}; it runs as a leaf so {because}"
+    return leaf_note(
+        [module], f"its own code {_what_fx_loses(sightings)}; it runs as a leaf so {because}"
+    )
+
+
+def _untraceable_reason(error: BaseException) -> str:
+    """Why fx could not trace a submodule that became a leaf: the error and the user's line
+    that raised it."""
+    location, line = _user_frame(error)
+    message = str(error).splitlines()[0] if str(error) else ""
+    code = f": `{line}`" if line else ""
+    return f"fx cannot trace the code at {location}{code} ({type(error).__name__}: {message})"
+
+
+def _user_frame(error: BaseException) -> tuple[str, str]:
+    """The deepest traceback frame outside torch: the user's line that broke tracing."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        if frame.filename.startswith(_TORCH_DIR) or frame.filename.startswith("<"):
+            continue
+        if frame.filename.startswith(_AUTOCKPT_DIR):  # autockpt's own code, any floor
+            continue
+        line = frame.line or linecache.getline(frame.filename, frame.lineno or 0).strip()
+        return f"{frame.filename}:{frame.lineno}", line
+    return "<unknown>", ""
 
 
 def _unique(sightings: list[_Sighting]) -> list[_Sighting]:

@@ -12,7 +12,7 @@ draws, the units FSDP shards and the cuts the chain keeps are the same blocks.
 The rule (:func:`find_repeated_blocks`) has two steps.
 
 1. *The block class*: the class of the children of the ``nn.ModuleList`` /
-   ``nn.Sequential`` with at least two children, all of exactly one class, that holds the
+   ``nn.Sequential`` / ``nn.ModuleDict`` (layers by name) with at least two children, all of exactly one class, that holds the
    most parameters.
 
    * *Same class*: repeated layers are instances of one class (``GPT2Block``,
@@ -80,6 +80,16 @@ class RepeatedBlocks:
         return ", ".join(self.containers)
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+"""What holds layers: a list, a pipeline, or layers by name (``nn.ModuleDict``)."""
+
+NO_BLOCKS = (
+    "no repeated blocks: no nn.ModuleList, nn.Sequential or nn.ModuleDict holds two or more "
+    "children of one class with parameters (autockpt/costs/blocks.py)"
+)
+"""Why a model has no per-block plan, for reports that would show one."""
+
+
 def find_repeated_blocks(model: nn.Module) -> RepeatedBlocks | None:
     """Every child of class C of every ``ModuleList``/``Sequential`` whose children are all of
     class C and that lies outside another such child, C being the class of the children of
@@ -89,7 +99,7 @@ def find_repeated_blocks(model: nn.Module) -> RepeatedBlocks | None:
     containers = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 0
+        if isinstance(module, _CONTAINERS) and len(module) > 0
     ]
     best: tuple[int, int, str] | None = None
     block_type: type[nn.Module] | None = None

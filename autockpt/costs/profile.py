@@ -196,6 +196,10 @@ def profile(
             del output
             loss.backward()  # on fake tensors: the layouts of the gradients nodes receive
             del loss
+            # The values' gradient hooks call the recorder, which holds the values: a cycle
+            # through autograd's nodes that the garbage collector cannot see, which kept the
+            # model alive after planning. The values go now (the structure is recorded).
+            structure.env.clear()
             written = {name for key, name in buffer_names.items() if key in structure.written}
             # A buffer the forward replaces (``self.table = ...``) changes like one written
             # in place: a recompute must see the object and values the forward saw.
@@ -726,18 +730,19 @@ def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, f
     )
 
 
-def _param_grad_attribution(
+def trained_parameters(
     model: nn.Module, capture: Capture, index_of: dict[fx.Node, int]
-) -> tuple[dict[int, int], int]:
-    """Bytes of parameter gradients by the node whose backward creates them: the *last*
-    forward user of the parameter (backward meets it first)."""
+) -> dict[int, tuple[nn.Parameter, int]]:
+    """The parameters that require a gradient and that the graph uses, by ``id``, each with
+    the index of its *last* forward user (backward meets it first, and creates its
+    gradient there)."""
     params = {name: p for name, p in model.named_parameters(remove_duplicate=False)}
-    by_id = {id(p): p for p in params.values() if p.requires_grad}
-    last_user: dict[int, int] = {}
+    trainable = {id(p) for p in params.values() if p.requires_grad}
+    last_user: dict[int, tuple[nn.Parameter, int]] = {}
 
     def touch(param: nn.Parameter, i: int) -> None:
-        if id(param) in by_id:
-            last_user[id(param)] = max(last_user.get(id(param), -1), i)
+        if id(param) in trainable:
+            last_user[id(param)] = (param, max(last_user.get(id(param), (param, -1))[1], i))
 
     for node in capture.graph.nodes:
         if node.op == "get_attr" and node.target in params:
@@ -747,11 +752,19 @@ def _param_grad_attribution(
         elif node.op == "call_module":
             for p in model.get_submodule(node.target).parameters():
                 touch(p, index_of[node])
+    return last_user
+
+
+def _param_grad_attribution(
+    model: nn.Module, capture: Capture, index_of: dict[fx.Node, int]
+) -> tuple[dict[int, int], int]:
+    """Bytes of parameter gradients by the node whose backward creates them: the *last*
+    forward user of the parameter (backward meets it first)."""
     grads: dict[int, int] = {}
-    for pid, i in last_user.items():
-        p = by_id[pid]
+    for p, i in trained_parameters(model, capture, index_of).values():
         grads[i] = grads.get(i, 0) + p.numel() * p.element_size()
-    total = sum(p.numel() * p.element_size() for p in by_id.values())
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+    total = sum(p.numel() * p.element_size() for p in trainable.values())
     return grads, total
 
 

@@ -13,9 +13,13 @@ import dataclasses
 import torch
 
 from autockpt.base.inputs import given_input_names
+from autockpt.base.runtime import DEFAULT_LOSS, loss_name
+from autockpt.capture.captured import node_module
+from autockpt.capture.watch import leaf_note
 from autockpt.costs.problem import Chain
 from autockpt.costs.profile import Profile
 from autockpt.costs.record import optimizer_record, optimizer_step_bytes
+from autockpt.errors import format_bytes
 from autockpt.measure import Measurement
 from autockpt.plan import KeptOp, MemoryBreakdown, Plan, RankMemory, Segment
 from autockpt.planning.predict import Predictor
@@ -35,9 +39,11 @@ def make_plan(
     *,
     minimum_peak_bytes: int,
     no_checkpoint_peak_bytes: int,
+    as_written_peak_bytes: int | None = None,
 ) -> Plan:
     """The plan's record of ``solution`` (its segments as ``specs`` translate them,
-    ``autockpt/planning/specs.py``), not yet measured."""
+    ``autockpt/planning/specs.py``), not yet measured. ``as_written_peak_bytes``: the model
+    as written without checkpointing (``Planner.as_written_peak_bytes``; None: unknown)."""
     model, captured, inputs, prof, chain = (
         prepared.model,
         prepared.capture,
@@ -50,6 +56,7 @@ def make_plan(
     names = chain.node_names
     kept_per_segment = solution.kept or tuple(() for _ in solution.segments)
     recompute = predictor.recompute_seconds(solution.segments, kept_per_segment)
+    nodes = captured.compute_nodes()  # the chain's nodes, in its order (``names``)
     segments = []
     for (start, end), spec, kept in zip(solution.segments, specs, kept_per_segment, strict=True):
         saved = sum(problem.saved_bytes[start:end])
@@ -64,13 +71,15 @@ def make_plan(
                 preserve_rng=spec.preserve_rng,
                 restore_buffers=spec.restore_buffers,
                 kept_ops=tuple(KeptOp(*call) for call in spec.kept_ops),
+                first_module=node_module(nodes[spec.first]),
+                last_module=node_module(nodes[spec.end - 1]),
             )
         )
     in_segment = {k for start, end in solution.segments for k in range(start, end)}
     kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
     kept += sum(problem.input_bytes[start] for start, _ in solution.segments)
     step_with = prof.step_seconds + recompute
-    return Plan(
+    plan = Plan(
         model=type(model).__name__,
         graph_fingerprint=captured.fingerprint(),
         input_signature=inputs.signature(),
@@ -113,6 +122,42 @@ def make_plan(
         timeline=predictor.timeline(solution.segments, solution.kept),
         optimizer=optimizer_record(prepared.trace, prepared.request.optimizer),
         accumulation_steps=prepared.request.accumulation_steps,
+        loss=loss_name(prepared.request.loss_fn),
+        as_written_peak_bytes=as_written_peak_bytes,
+    )
+    return dataclasses.replace(plan, notes=(*plan.notes, *as_written_notes(plan)))
+
+
+def as_written_notes(plan: Plan) -> tuple[str, ...]:
+    """What a plan says when its captured graph without checkpointing peaks apart from the
+    model as written (by more than 0.1%): by how much, and why. Plans run the graph, so
+    where it is leaner part of a plan's saving against the model as written is the graph's."""
+    written, graph = plan.as_written_peak_bytes, plan.no_checkpoint_peak_bytes
+    if written is None or abs(written - graph) * 1000 <= written:
+        return ()
+    gap = written - graph
+    share = f"{100 * abs(gap) / written:.1f}%"
+    head = (
+        f"the captured graph without checkpointing peaks at {format_bytes(graph)}, "
+        f"{abs(gap)} bytes ({share}) {'below' if gap > 0 else 'above'} the model as written "
+        f"({format_bytes(written)}, predicted on fake tensors; the baseline 'without "
+        "checkpointing')"
+    )
+    if gap < 0:
+        return (
+            f"{head}: the graph runs other operators than the model's code (e.g. out of "
+            "place where the model writes in place)",
+        )
+    dropped = (
+        " and drops what the model computes but never uses (torch.export)"
+        if plan.capture_method == "export"
+        else ""
+    )
+    return (
+        f"{head}: the graph frees each value after its last use{dropped}, where the model's "
+        "own code keeps tensors alive (in its variables, in structures it builds or returns) "
+        "until its forward returns; the rewritten model runs the graph, so that much of the "
+        "saving against the model as written is the graph's, not checkpointing's",
     )
 
 
@@ -132,7 +177,7 @@ def with_measurement(
         plan,
         measured_peak_bytes=None if prepared.request.sharding.active else checked.peak_bytes,
         measured_step_seconds=checked.step_seconds if checked.repeat > 0 else None,
-        notes=_notes(prepared, predictor, solution, checked),
+        notes=(*_notes(prepared, predictor, solution, checked), *as_written_notes(plan)),
     )
 
 
@@ -141,11 +186,13 @@ def _notes(
 ) -> tuple[str, ...]:
     prof, sharding = prepared.profile, prepared.request.sharding
     notes = list(prepared.capture.warnings)
+    notes += _requested_leaf_notes(prepared)
     notes.append(
         f"predicted peak: replay of one recorded step's {prepared.trace.source} events under "
         "this plan (solvers.replay)"
     )
     notes.append(prepared.precision.note())  # checked at each training call (precision.py)
+    notes.append(_loss_note(loss_name(prepared.request.loss_fn)))
     if prof.times_estimated:
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
     else:
@@ -173,6 +220,44 @@ def _notes(
             "small tensors (autockpt.planning.sharding.RANK_MARGIN_BYTES)"
         )
     return tuple(notes)
+
+
+def _loss_note(name: str) -> str:
+    if name == DEFAULT_LOSS:
+        return (
+            "loss: default (the output's `loss` when it has one, else the sum of its floating "
+            "tensors): the budget holds for that loss; plan with loss_fn= (command line: "
+            "--loss) for the loss you train with"
+        )
+    return f"loss: {name}"
+
+
+def _requested_leaf_notes(prepared: Prepared) -> list[str]:
+    """Why the leaves the request named are kept whole (the capture's own leaves say why in
+    its warnings), or that they are not: an export graph inlines every module call."""
+    request, captured = prepared.request, prepared.capture
+    kept = set(captured.leaf_modules)
+    asked = [m for m in request.leaf_modules if m in kept]
+    units = [u for u in request.sharding.units if u in kept and u not in request.leaf_modules]
+    notes = []
+    if asked:
+        notes.append(leaf_note(asked, "named in leaf_modules"))
+    if units:
+        notes.append(
+            leaf_note(
+                units,
+                f"FSDP unit{'s' if len(units) > 1 else ''}: fully_shard's hooks gather the "
+                "parameters when the module is called, so segments hold whole units",
+            )
+        )
+    lost = [m for m in request.leaf_modules if m not in kept]
+    if lost and captured.method == "export":
+        notes.append(
+            f"leaf_modules {', '.join(lost)} not kept whole: the graph was captured with "
+            "torch.export, which inlines every module call, so segments may begin or end "
+            "inside them"
+        )
+    return notes
 
 
 def _iteration_note(optimizer: torch.optim.Optimizer | None, accumulation_steps: int) -> str:

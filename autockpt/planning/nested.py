@@ -43,7 +43,8 @@ from autockpt.base.inputs import Inputs, given_input_names
 from autockpt.capture.front import capture
 from autockpt.errors import GIB, AutockptError, InfeasibleBudgetError, TraceError
 from autockpt.measure import Measurement, static_bytes
-from autockpt.plan import Plan, scoped_bytes
+from autockpt.plan import Plan, Segment, scoped_bytes
+from autockpt.planning.make_plan import as_written_notes
 from autockpt.planning.prepared import ProgressFn
 from autockpt.planning.verify import Attempt, fit_by_measuring
 from autockpt.rewrite.result import plain_module
@@ -201,7 +202,8 @@ class SubmodulePlanner:
                 plan_bytes=tuple(max(0, b + shift) for b in timeline.plan_bytes),
                 no_checkpoint_bytes=tuple(max(0, b + shift) for b in timeline.no_checkpoint_bytes),
             )
-        return dataclasses.replace(
+        as_written = inner.as_written_peak_bytes
+        restated = dataclasses.replace(
             inner,
             model=type(self.model).__name__,
             input_signature=self.inputs.signature(),
@@ -210,6 +212,7 @@ class SubmodulePlanner:
             scope=self.scope,
             predicted_peak_bytes=inner.predicted_peak_bytes + shift,
             no_checkpoint_peak_bytes=inner.no_checkpoint_peak_bytes + shift,
+            as_written_peak_bytes=None if as_written is None else as_written + shift,
             minimum_peak_bytes=self.minimum_peak_bytes,
             memory=dataclasses.replace(
                 inner.memory,
@@ -224,7 +227,12 @@ class SubmodulePlanner:
             notes=notes,
             timeline=timeline,
             submodule=self.path,
+            segments=tuple(_in_the_model(seg, self.path) for seg in inner.segments),
         )
+        # the note on the model as written, in the whole step's bytes
+        stale = set(as_written_notes(inner))
+        kept = tuple(note for note in restated.notes if note not in stale)
+        return dataclasses.replace(restated, notes=(*kept, *as_written_notes(restated)))
 
 
 def choose_submodule(
@@ -279,6 +287,18 @@ def _outside_bytes(model: nn.Module, inputs: Inputs, path: str, child_inputs: In
     inside = {id(p) for p in child.parameters()}
     outside_parameters = [p for p in model.parameters() if id(p) not in inside]
     return outside + _gradient_bytes(outside_parameters)
+
+
+def _in_the_model(seg: Segment, path: str) -> Segment:
+    """``seg`` of the submodule at ``path`` with its module paths in the user's model (its
+    node names stay the submodule graph's)."""
+
+    def qualified(module: str | None) -> str | None:
+        return module if module is None else f"{path}.{module}" if module else path
+
+    return dataclasses.replace(
+        seg, first_module=qualified(seg.first_module), last_module=qualified(seg.last_module)
+    )
 
 
 def _gradient_bytes(parameters: Iterable[nn.Parameter]) -> int:

@@ -173,7 +173,13 @@ class Predictor:
                 fold(replay.timeline(trace, node_ranges, stash, kept or None), segments),
             ),
             no_checkpoint_bytes=events(base_order, fold(replay.timeline(trace, []), [])),
-            stage_forward_seconds=tuple(round(t, 9) for t in problem.forward_seconds),
+            # The seconds the plan's tables report (measured node by node by the probe,
+            # :meth:`recompute_seconds`), not the solvers' cost model: one time in every
+            # report of a plan.
+            stage_forward_seconds=tuple(
+                round(sum(self.prepared.profile.nodes[i].forward_seconds for i in range(a, b)), 9)
+                for a, b in chain.stages
+            ),
             stage_backward_seconds=tuple(round(t, 9) for t in problem.backward_seconds),
         )
 

@@ -29,6 +29,7 @@ resident: one memory model for the whole iteration.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from autockpt.base.allocations import StorageSet
 from autockpt.base.inputs import Inputs
+from autockpt.base.optimizer import state_bytes
 from autockpt.base.precision import Precision
 from autockpt.base.runtime import LossFn, device_of, release_freed_heap
 from autockpt.capture.captured import Capture
@@ -48,7 +51,7 @@ from autockpt.costs.blocks import (
     per_block_plan,
 )
 from autockpt.costs.problem import Chain, StageRange, build_chain
-from autockpt.costs.profile import Profile, profile
+from autockpt.costs.profile import Profile, profile, trained_parameters
 from autockpt.costs.record import ACCUMULATED_GRADIENTS, OPTIMIZER_STATE, record_trace
 from autockpt.plan import RankMemory
 from autockpt.planning.sharding import Sharding, check_units_called, rank_problem
@@ -58,11 +61,16 @@ from solvers.replay import MemoryTrace
 ProgressFn = Callable[[str], None]
 """Called with a short description (``"profiling"``) as each planning stage begins."""
 
+logger = logging.getLogger("autockpt")
+"""Where planning reports its phases: at INFO as each begins (what the progress callback is
+told) and ends (its wall seconds). The library adds no handler but a ``NullHandler``:
+``logging.basicConfig(level=logging.INFO)`` shows them."""
+
 
 class Phases:
     """Wall seconds per planning phase (capture, profile, record, search, verify), and the
-    progress callback told as each begins. One phase runs at a time; starting one ends the
-    one before."""
+    progress callback told as each begins; both are logged (:data:`logger`). One phase runs
+    at a time; starting one ends the one before."""
 
     def __init__(self, progress: ProgressFn) -> None:
         self.progress = progress
@@ -72,12 +80,15 @@ class Phases:
     def start(self, name: str, description: str) -> None:
         self.stop()
         self._running = (name, time.perf_counter())
+        logger.info("%s: %s", name, description)
         self.progress(description)
 
     def stop(self) -> None:
         if self._running is not None:
             name, started = self._running
-            self.add(name, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            logger.info("%s: done in %.2f s", name, seconds)
+            self.add(name, seconds)
         self._running = None
 
     def add(self, name: str, seconds: float) -> None:
@@ -187,6 +198,35 @@ def scope_chain(chain: Chain, scope: str, static_bytes: int) -> Chain:
     )
 
 
+def resident_floor(
+    model: nn.Module,
+    inputs: Inputs,
+    captured: Capture,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, int]:
+    """What one step keeps whatever is checkpointed, read from the model, the inputs and the
+    graph alone (no step runs): parameters, the gradients of the parameters the graph uses
+    and trains, buffers, inputs and, with an optimizer, its state (a stand-in stepped once
+    on fake tensors). All of it is alive when the backward ends, so every plan's peak in
+    scope "total" on one process is at least the sum: a budget below it is refused before
+    profiling. Named as the refusal's breakdown names them."""
+    static = StorageSet()  # parameters first, then buffers and inputs not shared with them
+    parameters = static.add(model.parameters())
+    buffers = static.add(model.buffers())
+    input_bytes = static.add(inputs.tensors())
+    index_of = {node: i for i, node in enumerate(captured.compute_nodes())}
+    trained = trained_parameters(model, captured, index_of)
+    parts = {
+        "parameters": parameters,
+        "gradients": sum(p.numel() * p.element_size() for p, _ in trained.values()),
+        "buffers": buffers,
+        "inputs": input_bytes,
+    }
+    if optimizer is not None:
+        parts[OPTIMIZER_STATE] = state_bytes(optimizer, trained.keys())
+    return parts
+
+
 def prepare(
     model: nn.Module,
     inputs: Inputs,
@@ -195,35 +235,42 @@ def prepare(
     precision: Precision,
     planning: PlanningPeak,
     phases: Phases,
+    reused: tuple[Profile, MemoryTrace] | None = None,
 ) -> Prepared:
     """Profile, chain, record and the per-rank terms of a captured model (phases 2-5 of the
     module docstring), in training mode, leaving everything as found (the caller's
-    ``as_found`` block)."""
+    ``as_found`` block). ``reused``: the profile and recorded step of an earlier call with
+    the same key (autockpt/planning/cache.py), taken instead of phases 2 and 3."""
     sharding = request.sharding
     check_units_called(captured, sharding.units)
-    phases.start("profile", "profiling (fake tensors, then node by node on the device)")
-    prof = profile(
-        model,
-        captured,
-        inputs,
-        loss_fn=request.loss_fn,
-        optimizer=request.optimizer,
-        estimate_times=None if request.probe else True,
-    )
-    release_freed_heap()  # the probe's real tensors are gone: so are their pages
+    if reused is not None:
+        phases.stop()
+        prof, trace = reused
+        logger.info("profile and record: reused from an earlier call (autockpt.clear_cache())")
+    else:
+        phases.start("profile", "profiling (fake tensors, then node by node on the device)")
+        prof = profile(
+            model,
+            captured,
+            inputs,
+            loss_fn=request.loss_fn,
+            optimizer=request.optimizer,
+            estimate_times=None if request.probe else True,
+        )
+        release_freed_heap()  # the probe's real tensors are gone: so are their pages
+        # The plan simulator: one step's allocations (fake tensors plus measured
+        # workspaces), replayed under each plan; with an optimizer, one training iteration's.
+        phases.start("record", "recording one step on fake tensors for the plan simulator")
+        trace = record_trace(
+            model,
+            captured,
+            inputs,
+            loss_fn=request.loss_fn,
+            profile=prof,
+            optimizer=request.optimizer,
+            accumulation_steps=request.accumulation_steps,
+        )
     blocks = find_repeated_blocks(model)
-    # The plan simulator: one step's allocations (fake tensors plus measured workspaces),
-    # replayed under each plan; with an optimizer, one training iteration's.
-    phases.start("record", "recording one step on fake tensors for the plan simulator")
-    trace = record_trace(
-        model,
-        captured,
-        inputs,
-        loss_fn=request.loss_fn,
-        profile=prof,
-        optimizer=request.optimizer,
-        accumulation_steps=request.accumulation_steps,
-    )
     resident = dict(trace.resident)
     chain = build_chain(
         captured,

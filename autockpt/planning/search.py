@@ -47,7 +47,9 @@ class BudgetSearch:
 
     ``predictor`` is the one memory model (its replay chain is what the torch-free search
     walks; its ``predict`` adds a sharded rank's shift); ``seeds`` are plans the search must
-    never do worse than (the per-block hand plan).
+    never do worse than (the per-block hand plan); ``leanest``, when given, is this search's
+    own :meth:`leanest` from an earlier call on the same prepared data (the planning cache,
+    autockpt/planning/cache.py).
     """
 
     def __init__(
@@ -55,12 +57,13 @@ class BudgetSearch:
         chain: Chain,
         predictor: Predictor,
         seeds: tuple[tuple[StageRange, ...], ...] = (),
+        leanest: Solution | None = None,
     ) -> None:
         self.chain = chain
         self.predictor = predictor
         self.seeds = seeds
         self.replay_chain = predictor.replay_chain
-        self._leanest: Solution | None = None
+        self._leanest: Solution | None = leanest
         self._chain_solutions: dict[tuple[int, str], Solution] = {}
 
     def predict(self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()) -> int:

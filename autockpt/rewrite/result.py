@@ -51,7 +51,12 @@ from torch import nn
 from autockpt.base.inputs import Inputs, without_defaults
 from autockpt.base.precision import check_call as check_precision
 from autockpt.base.tree import ModuleTree, check_tree
-from autockpt.errors import CompileWarning, PlanMismatchError, UncoveredCallWarning
+from autockpt.errors import (
+    CompileWarning,
+    LargerInputWarning,
+    PlanMismatchError,
+    UncoveredCallWarning,
+)
 from autockpt.plan import Plan
 from autockpt.rewrite.segment import CheckpointSegment
 
@@ -104,6 +109,9 @@ class _Checkpointing:
     attributes: tuple[str, ...]  # instance attributes the result adds to the user's module
     plan: Plan | None = None
     on_larger_input: str = "error"
+    # Keys of what was said: plain values only (strings, ints, tuples, dtypes). The call
+    # checks pass the set to functions torch.compile runs at trace time, which rebuild it
+    # from its items and cannot rebuild a frozen dataclass (precision.py, Precision.key).
     warned: set[Any] = dataclasses.field(default_factory=set)
     tree: ModuleTree | None = None  # the modules the graph was captured from (tree.py)
     exported: bool = False  # a torch.export graph: specialised to the planned precision
@@ -117,10 +125,16 @@ class _Checkpointing:
         # the copy's own.
         return dataclasses.replace(self, warned=set(self.warned))
 
-    def warn_once(self, key: Any, message: str, stacklevel: int) -> None:
+    def warn_once(
+        self,
+        key: Any,
+        message: str,
+        stacklevel: int,
+        category: type[UserWarning] = UncoveredCallWarning,
+    ) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, UncoveredCallWarning, stacklevel=stacklevel + 1)
+            warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -320,6 +334,7 @@ def _check_size(self: nn.Module, state: _Checkpointing, call: CallShape) -> None
                 "memory may exceed the budget"
             ),
             stacklevel=6,
+            category=LargerInputWarning,
         )
         return
     raise PlanMismatchError(

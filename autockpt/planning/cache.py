@@ -1,0 +1,272 @@
+"""Planning's expensive work kept between calls: ``optimize`` called again on the same model
+and inputs (another budget, the same budget again) reuses the profile, the recorded step and
+the leanest plan instead of measuring them again.
+
+What is kept (:class:`Reused`) is plain data, no tensor, module or optimizer: the
+:class:`~autockpt.costs.profile.Profile` (sizes, measured node times and workspaces), the
+recorded step (:class:`~solvers.replay.MemoryTrace`) and the leanest plan's
+:class:`~solvers.Solution` (the stated minimum). Capture runs on every call (it is cheap,
+and its graph's fingerprint is part of the key); the stage chain, the predictor and the
+search are rebuilt from the kept data, so a planner made from the cache is the one an
+uncached call makes, with the first call's measured times.
+
+The key (:func:`cache_key`) holds everything these depend on: the model object (by ``id``;
+its entry holds it by weak reference, so the cache keeps no model alive, unless the
+``loss_fn`` in the key holds it), the graph's fingerprint and capture method, every
+parameter's and buffer's name, shape, strides, dtype, device and ``requires_grad`` and how
+they share storage, every module's class, training flag, ``extra_repr`` and hooks, the
+inputs' structure and every tensor's shape, strides, dtype and device (other inputs: their
+value, when a number, string or ``None``), the precision (parameter dtypes, autocast state),
+the kernel choices that change workspaces (cuDNN and scaled-dot-product-attention switches),
+and the request: scope, ``loss_fn`` (the same object), leaf modules, ``max_stages``,
+sharding, the optimizer's class, parameter groups and hyperparameters, and
+``accumulation_steps``. A ``functools.partial`` loss is the same loss when its function is
+the same object and its arguments are equal (tensors: the same shapes and dtypes). What
+cannot be described that way (an input of another kind, an unhashable ``loss_fn``) is not
+cached. An attribute that a ``torch.nn`` module uses without
+showing it in its ``repr`` is not in the key: after changing one, plan with ``cache=False``
+or call :func:`clear_cache`.
+
+The cache holds at most :data:`MAX_ENTRIES` entries (least recently used first out); an
+entry goes when its model is garbage-collected. ``autockpt.clear_cache()`` empties the
+cache; ``optimize(..., cache=False)`` and ``Planner(..., cache=False)`` neither read nor fill
+it. A model whose root cannot be captured is planned inside a submodule
+(autockpt/planning/nested.py): that submodule's preparation is kept, while choosing it and
+measuring its whole step run again.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autockpt.base.allocations import storage_key
+from autockpt.base.inputs import Inputs
+from autockpt.base.precision import Precision
+from autockpt.capture.captured import Capture
+from autockpt.costs.profile import Profile
+from autockpt.planning.prepared import Request
+from solvers import Solution
+from solvers.replay import MemoryTrace
+
+MAX_ENTRIES = 4
+"""Prepared models kept at most. Each is plain data that grows with the graph's nodes, not
+with its tensors: 0.06 MiB pickled for the zoo's GPT (185 nodes)."""
+
+
+@dataclass(frozen=True)
+class Reused:
+    """What a later call with the same key takes instead of profiling and recording."""
+
+    profile: Profile
+    trace: MemoryTrace
+    leanest: Solution
+
+
+_entries: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Reused]] = OrderedDict()
+_lock = threading.RLock()
+
+
+class _Uncacheable(Exception):
+    """Something the key cannot describe: the call is planned without the cache."""
+
+
+def cache_key(
+    model: nn.Module,
+    inputs: Inputs,
+    captured: Capture,
+    request: Request,
+    precision: Precision,
+) -> Hashable | None:
+    """The cache key of one preparation (the module docstring lists what it holds), or
+    None when something in it cannot be described (then nothing is cached)."""
+    try:
+        tensors = [
+            *(p for _, p in model.named_parameters(remove_duplicate=False)),
+            *(b for _, b in model.named_buffers(remove_duplicate=False)),
+        ]
+        leaves, spec = pytree.tree_flatten((inputs.args, inputs.kwargs))
+        tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        found = (
+            id(model),
+            captured.fingerprint(),
+            captured.method,
+            captured.dynamic_dims,
+            tuple(
+                (name, _tensor(p), _hooks(p))
+                for name, p in model.named_parameters(remove_duplicate=False)
+            ),
+            tuple((name, _tensor(b)) for name, b in model.named_buffers(remove_duplicate=False)),
+            _sharing(tensors),
+            tuple(
+                (name, type(m), m.training, m.extra_repr(), _hooks(m))
+                for name, m in model.named_modules(remove_duplicate=False)
+            ),
+            str(spec),
+            tuple(_input(leaf) for leaf in leaves),
+            precision,
+            _switches(),
+            request.scope,
+            _loss(request.loss_fn),
+            request.leaves,
+            request.max_stages,
+            request.sharding,
+            _optimizer(model, request.optimizer),
+            request.accumulation_steps,
+            request.probe,
+        )
+        hash(found)
+    except (_Uncacheable, TypeError, RuntimeError, NotImplementedError):
+        return None
+    return found
+
+
+def cached(model: nn.Module, found: Hashable | None) -> Reused | None:
+    """The entry for ``found`` when it was made for this very model object."""
+    if found is None:
+        return None
+    with _lock:
+        entry = _entries.get(found)
+        if entry is None or entry[0]() is not model:
+            return None
+        _entries.move_to_end(found)
+        return entry[1]
+
+
+def keep(model: nn.Module, found: Hashable | None, reused: Reused) -> None:
+    """Keep ``reused`` for ``found``, dropping the least recently used beyond
+    :data:`MAX_ENTRIES`; the entry goes when ``model`` is garbage-collected."""
+    if found is None:
+        return
+
+    def forget(ref: weakref.ref[nn.Module]) -> None:
+        with _lock:
+            if found in _entries and _entries[found][0] is ref:
+                del _entries[found]
+
+    with _lock:
+        _entries[found] = (weakref.ref(model, forget), reused)
+        _entries.move_to_end(found)
+        while len(_entries) > MAX_ENTRIES:
+            _entries.popitem(last=False)
+
+
+def clear_cache() -> None:
+    """Forget every kept preparation (``autockpt.clear_cache()``)."""
+    with _lock:
+        _entries.clear()
+
+
+def cache_size() -> int:
+    """How many preparations are kept now."""
+    with _lock:
+        return len(_entries)
+
+
+def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    if t.layout != torch.strided:
+        raise _Uncacheable(f"a {t.layout} tensor")
+    return (
+        type(t),
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.untyped_storage().nbytes(),
+        t.dtype,
+        str(t.device),
+        t.requires_grad,
+    )
+
+
+def _sharing(tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:
+    """Which tensors are the same object and which share a storage (ties, views): by the
+    position of the first of each, so that the key does not hold addresses."""
+    objects: dict[int, int] = {}
+    storages: dict[Any, int] = {}
+    return tuple(
+        (objects.setdefault(id(t), i), storages.setdefault(storage_key(t), i))
+        for i, t in enumerate(tensors)
+    )
+
+
+def _hooks(owner: Any) -> tuple[tuple[int, ...], ...]:
+    """The handles of the hooks on a module or a parameter (each registration has its own)."""
+    names = (
+        "_forward_pre_hooks",
+        "_forward_hooks",
+        "_backward_pre_hooks",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+    )
+    return tuple(tuple(getattr(owner, name, None) or ()) for name in names)
+
+
+def _input(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return _tensor(leaf)
+    if leaf is None or isinstance(leaf, (bool, int, float, complex, str, torch.dtype)):
+        return (type(leaf), leaf)
+    raise _Uncacheable(f"an input of type {type(leaf).__name__}")
+
+
+def _loss(loss_fn: Any) -> Any:
+    """The loss in the key: the object itself, or a ``functools.partial`` by its function
+    and arguments, tensors by their shapes (a loop that makes a new partial for each batch
+    of targets asks for the same loss)."""
+    if isinstance(loss_fn, functools.partial):
+        try:
+            return (
+                functools.partial,
+                _loss(loss_fn.func),
+                tuple(_input(a) for a in loss_fn.args),
+                tuple(sorted((k, _input(v)) for k, v in loss_fn.keywords.items())),
+            )
+        except _Uncacheable:
+            pass
+    return loss_fn
+
+
+def _switches() -> tuple[Any, ...]:
+    """Global settings that change which kernels run, so their workspaces and what they save,
+    the default dtype (of tensors a forward makes without one) and the hooks registered on
+    every module."""
+    cuda = torch.backends.cuda
+    cudnn = torch.backends.cudnn
+    return (
+        torch.get_default_dtype(),
+        cudnn.enabled,
+        cudnn.benchmark,
+        cudnn.deterministic,
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        tuple(
+            tuple(getattr(torch.nn.modules.module, f"_global_{kind}_hooks", None) or ())
+            for kind in ("forward_pre", "forward", "backward_pre", "backward")
+        ),
+    )
+
+
+def _optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any:
+    """The optimizer's class, its parameter groups (as positions among the model's
+    parameters) and their hyperparameters: what its state and its step's allocations follow."""
+    if optimizer is None:
+        return None
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    groups = tuple(
+        (
+            tuple(position[id(p)] for p in group["params"]),
+            repr(sorted((k, v) for k, v in group.items() if k != "params")),
+        )
+        for group in optimizer.param_groups
+    )
+    return (type(optimizer), groups, repr(sorted(optimizer.defaults.items())))
