@@ -161,7 +161,7 @@ def optimize(
     """
     budget_gb = check_budget_gb(budget_gb)
 
-    def plan_here() -> nn.Module:
+    def plan_here(budget_gb: float = budget_gb) -> nn.Module:
         planner = Planner(
             model,
             example_inputs,

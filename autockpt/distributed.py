@@ -373,8 +373,13 @@ class _Failure:
         return error
 
 
+BUDGET_TOLERANCE = 0.01
+"""Ranks whose budgets lie within this share of the smallest get one plan for the smallest
+(NOTE [distributed: nearly equal budgets])."""
+
+
 def plan_on_one_rank(
-    plan_here: Callable[[], nn.Module],
+    plan_here: Callable[[float], nn.Module],
     apply_plan: Callable[[Plan], nn.Module],
     request: PlanRequest,
     *,
@@ -382,13 +387,17 @@ def plan_on_one_rank(
 ) -> nn.Module:
     """Plan on one rank of the default process group and apply that plan on every rank.
 
-    ``plan_here()`` profiles, solves and returns the rewritten model (with ``.plan``);
-    ``apply_plan(plan)`` re-applies a plan without profiling or solving. Outside
-    ``torch.distributed`` (not initialised, or one rank) this is ``plan_here()``.
+    ``plan_here(budget_gb)`` profiles, solves and returns the rewritten model (with
+    ``.plan``); ``apply_plan(plan)`` re-applies a plan without profiling or solving. Outside
+    ``torch.distributed`` (not initialised, or one rank) this is
+    ``plan_here(request.budget_gb)``.
 
-    In a group of several ranks, rank ``plan_rank`` calls ``plan_here()`` and broadcasts the
-    plan's JSON; every other rank checks that it asked for the same (:class:`PlanRequest`;
-    :class:`ShardingError` otherwise) and calls ``apply_plan``. Why: planning is
+    In a group of several ranks, the ranks first exchange what they ask for
+    (:class:`PlanRequest`): anything but the budget differing, or budgets further apart than
+    :data:`BUDGET_TOLERANCE`, is a :class:`ShardingError` on every rank, before any
+    planning. Then rank ``plan_rank`` calls ``plan_here`` with the smallest budget asked for
+    (NOTE [distributed: nearly equal budgets]) and broadcasts the plan's JSON, and every
+    other rank calls ``apply_plan``. Why: planning is
     deterministic given its measurements, but step times are measured, and they differ from
     rank to rank (noise, other machines, other loads); two ranks that checkpoint different
     FSDP2 units issue different collectives and wait on each other for ever (one
@@ -411,10 +420,10 @@ def plan_on_one_rank(
     """
     size = _group_size()
     if size <= 1:
-        return plan_here()
+        return plan_here(request.budget_gb)
     if plan_rank is None:
         _check_world_size(request, size)
-        return plan_here()
+        return plan_here(request.budget_gb)
     if isinstance(plan_rank, bool) or not isinstance(plan_rank, int) or not 0 <= plan_rank < size:
         raise ShardingError(
             f"plan_rank must be a rank of the process group (0 to {size - 1}) or None, got "
@@ -422,12 +431,20 @@ def plan_on_one_rank(
         )
     dist = torch.distributed
     rank = dist.get_rank()
+    asked: list[PlanRequest | None] = [None] * size
+    dist.all_gather_object(asked, request)
+    # Every rank holds every request, so every rank reaches the same verdict (and the same
+    # message) without waiting on another.
+    budget_gb, note = _agreed_budget([r for r in asked if r is not None], plan_rank)
     result: nn.Module | None = None
     own_error: Exception | None = None
     if rank == plan_rank:
         try:
             _check_world_size(request, size)
-            result = plan_here()
+            result = plan_here(budget_gb)
+            if note is not None and result.plan is not None:
+                plan = result.plan
+                result.plan = dataclasses.replace(plan, notes=(*plan.notes, note))
             payload: _Planned | _Failure = _Planned(result.plan.to_json(), request)
         except Exception as error:
             _broadcast(_Failure.of(error, rank, "planning"), plan_rank)
@@ -438,7 +455,6 @@ def plan_on_one_rank(
         if isinstance(payload, _Failure):
             raise payload.rebuild()
         try:
-            _check_same_request(request, payload.request, rank, plan_rank)
             result = apply_plan(Plan.from_json(payload.plan_json))
         except Exception as error:
             own_error = error
@@ -479,6 +495,37 @@ def _check_world_size(request: PlanRequest, size: int) -> None:
             f"the number of ranks that share the model under sharding={request.sharding!r}. "
             f"Pass world_size={size}, or a divisor of it for a sub-mesh (HSDP's shard group)."
         )
+
+
+# NOTE [distributed: nearly equal budgets]
+# Ranks that derive their budget from what they measure (free memory, a rank's own peak)
+# pass budgets a few bytes apart (seen: 0.027815666794776917 and 0.02781566195189953 GiB on
+# two ranks of one job). One plan serves every rank, and a plan within the smallest budget is
+# within each of them, so such ranks get one plan for the smallest, and its notes say so.
+# Budgets further apart than BUDGET_TOLERANCE of the smallest stay an error: that is no
+# rounding, it is ranks disagreeing about the job (a plan for the smallest would cost the
+# others recompute they did not ask for, silently).
+
+
+def _agreed_budget(asked: list[PlanRequest], plan_rank: int) -> tuple[float, str | None]:
+    """The budget to plan for, given every rank's request (index = rank), and a note for
+    the plan when the ranks' budgets differ; :class:`ShardingError` when the requests
+    differ otherwise or their budgets lie too far apart (the first such rank's message)."""
+    planned = asked[plan_rank]
+    budgets = [r.budget_gb for r in asked]
+    smallest, largest = min(budgets), max(budgets)
+    close = largest <= smallest * (1 + BUDGET_TOLERANCE)
+    for rank, mine in enumerate(asked):
+        if close:
+            mine = dataclasses.replace(mine, budget_gb=planned.budget_gb)
+        _check_same_request(mine, planned, rank, plan_rank)
+    if smallest == largest:
+        return smallest, None
+    return smallest, (
+        f"ranks asked for budgets from {smallest!r} to {largest!r} GiB (within "
+        f"{BUDGET_TOLERANCE:.0%} of each other): one plan for the smallest serves every rank "
+        "(NOTE [distributed: nearly equal budgets] in autockpt/distributed.py)"
+    )
 
 
 def _check_same_request(mine: PlanRequest, planned: PlanRequest, rank: int, src: int) -> None:

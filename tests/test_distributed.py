@@ -8,6 +8,7 @@ measure one step at allocator level, and compares every rank with eager.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import traceback
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import autockpt
-from autockpt.api import Planner
+from autockpt.api import Planner, budget_in_bytes
 from autockpt.base.runtime import default_loss
 from autockpt.distributed import _AllocationLedger, _Failure, measure_rank
 from autockpt.errors import AutockptError, InfeasibleBudgetError, ShardingError, TraceError
@@ -435,6 +436,9 @@ def _torchrun_rank(rank: int, world_size: int, budgets: dict[str, float]) -> dic
     results["different_budget"] = _raised(
         lambda: autockpt.optimize(small, x, budget_gb=1.0 + rank, verify=False, plan_rank=1)
     )
+    # Budgets a few bytes apart (each rank derived its own): one plan, for the smaller.
+    nearly = autockpt.optimize(small, x, budget_gb=0.0278156668 - rank * 5e-9, verify=False)
+    results["nearly_same_budget"] = nearly.plan.to_json()
     # plan_rank=None: each rank plans its own batch (of another size: a broadcast plan would
     # not fit rank 1's).
     own, batch = block_stack(blocks=2, width=16, batch=3 + rank)
@@ -519,6 +523,33 @@ def test_ranks_asking_for_different_plans_fail_every_rank(torchrun):
     assert first["type"] == second["type"] == "autockpt.errors.ShardingError"
     assert first["message"] == second["message"]
     assert "budget_gb=1.0 here, 2.0 on rank 1" in first["message"]
+
+
+def test_budgets_a_few_bytes_apart_get_one_plan_for_the_smallest(torchrun):
+    _, _, ranks = torchrun
+    first, second = (Plan.from_json(got["nearly_same_budget"]) for got in ranks)
+    assert first == second
+    assert first.budget_bytes == budget_in_bytes(0.0278156668 - 5e-9)
+    assert any("one plan for the smallest" in note for note in first.notes)
+
+
+def test_ranks_agree_on_a_budget_or_all_refuse_before_planning():
+    """Every rank computes the same verdict from every rank's request (no collective)."""
+    from autockpt.distributed import PlanRequest, _agreed_budget
+
+    near = [PlanRequest(0.027815666794776917, 2, "ddp", "total"), None]
+    near[1] = dataclasses.replace(near[0], budget_gb=0.02781566195189953)
+    assert _agreed_budget(near, 0) == (0.02781566195189953, _agreed_budget(near, 1)[1])
+    assert "0.02781566195189953" in _agreed_budget(near, 0)[1]
+    same = [near[0], near[0]]
+    assert _agreed_budget(same, 1) == (near[0].budget_gb, None)
+    far = [near[0], dataclasses.replace(near[0], budget_gb=0.03)]
+    for plan_rank in (0, 1):
+        with pytest.raises(ShardingError, match="budget_gb="):
+            _agreed_budget(far, plan_rank)
+    other = [near[0], dataclasses.replace(near[0], scope="activations")]
+    with pytest.raises(ShardingError, match="scope='total' here, 'activations' on rank 1"):
+        _agreed_budget(other, 1)
 
 
 def test_plan_rank_none_plans_on_every_rank_separately(torchrun):
