@@ -21,7 +21,7 @@ import functools
 import math
 import numbers
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +53,14 @@ from autockpt.errors import (
 )
 from autockpt.measure import Measurement, measure
 from autockpt.plan import SCOPES, MemoryTimeline, Plan
-from autockpt.planning.cache import Reused, cache_key, cached, clear_cache, keep
+from autockpt.planning.cache import (
+    Reused,
+    cache_key,
+    cached,
+    clear_cache,
+    keep,
+    remember_as_written,
+)
 from autockpt.planning.make_plan import breakdown, make_plan, rank_breakdown, with_measurement
 from autockpt.planning.nested import SubmodulePlanner, choose_submodule
 from autockpt.planning.predict import Predictor
@@ -382,6 +389,7 @@ class Planner:
             probe,
         )
         self._cache = cache
+        self._cache_key: Hashable | None = None  # this preparation's entry, when cached
         # through the attribute: a caller may set planner.progress between phases (the CLI)
         self._phases = Phases(lambda what: self.progress(what))
         self.phase_seconds: dict[str, float] = self._phases.seconds
@@ -411,6 +419,9 @@ class Planner:
                 else None
             )
             reused = cached(model, key)
+            self._cache_key = key
+            if reused is not None and reused.as_written_known:
+                self._as_written_shift = reused.as_written_shift
             prepared = prepare(
                 model,
                 self.inputs,
@@ -569,6 +580,8 @@ class Planner:
                 self._as_written_shift = as_written_shift(
                     self.model, self.capture, self.inputs, self.loss_fn
                 )
+            # kept with the cached preparation: a later call does not run the two steps again
+            remember_as_written(self.model, self._cache_key, self._as_written_shift)
         shift = self._as_written_shift
         return None if shift is None else self.no_checkpoint_peak_bytes + shift
 

@@ -64,21 +64,26 @@ class Capture:
         return digest.hexdigest()[:16]
 
 
-def node_module(node: fx.Node) -> str:
-    """The qualified name, in the captured model, of the innermost module whose code made
-    ``node``: a ``call_module`` node's target, else the last entry of its
-    ``nn_module_stack`` (fx and ``torch.export`` graphs both record it; export marks a
-    module's later calls as ``name@1``, the same module); ``""`` for the root's own code
-    (a node with no stack: fx records none there)."""
+def module_paths(node: fx.Node) -> list[str]:
+    """The qualified names, in the captured model, of the modules whose code made ``node``,
+    outermost first: its ``nn_module_stack`` (fx and ``torch.export`` graphs both record it;
+    export marks a module's later calls as ``name@1``, the same module), then a
+    ``call_module`` node's target. The one reader of that metadata."""
+    paths = []
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        # fx and export store (qualified name, class); older graphs keyed by the name only
+        path = value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key
+        paths.append(".".join(part.split("@")[0] for part in str(path).split(".")))
     if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    key, value = next(reversed(stack.items()))
-    # fx and export store (qualified name, class); older graphs keyed by the name only
-    path = value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key
-    return ".".join(part.split("@")[0] for part in str(path).split("."))
+        paths.append(str(node.target))
+    return paths
+
+
+def node_module(node: fx.Node) -> str:
+    """The qualified name of the innermost module whose code made ``node``
+    (:func:`module_paths`); ``""`` for the root's own code (fx records no stack there)."""
+    paths = module_paths(node)
+    return paths[-1] if paths else ""
 
 
 def _target_name(target: Any) -> str:

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
-from autockpt.capture.captured import Capture
+from autockpt.capture.captured import Capture, module_paths
 from autockpt.costs.problem import Chain, NodeRange, StageRange
 
 
@@ -213,17 +213,8 @@ def _within(name: str, module: str) -> bool:
 def _block_of(node: fx.Node, blocks: frozenset[str]) -> str | None:
     """The block (one of ``blocks``' qualified names, which never nest) that ``node`` runs
     inside, if any: the outermost module path of the node that is a block or inside one."""
-    paths = []
-    for key, value in (node.meta.get("nn_module_stack") or {}).items():
-        # fx and export store (qualified name, class); older graphs keyed by the name only
-        paths.append(
-            value[0] if isinstance(value, tuple) and value and isinstance(value[0], str) else key
-        )
-    if node.op == "call_module":
-        paths.append(str(node.target))
-    for path in paths:
-        # export marks a module's repeated calls as "name@1"; the module is the same
-        parts = [part.split("@")[0] for part in path.split(".")] if path else []
+    for path in module_paths(node):
+        parts = path.split(".") if path else []
         for depth in range(1, len(parts) + 1):
             candidate = ".".join(parts[:depth])
             if candidate in blocks:

@@ -37,6 +37,7 @@ measuring its whole step run again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import weakref
@@ -70,6 +71,10 @@ class Reused:
     profile: Profile
     trace: MemoryTrace
     leanest: Solution
+    as_written_shift: int | None = None
+    """:func:`~autockpt.costs.as_written.as_written_shift`, once a planner of this key has
+    computed it (``as_written_known``): its two fake steps are not run again."""
+    as_written_known: bool = False
 
 
 _entries: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Reused]] = OrderedDict()
@@ -158,6 +163,18 @@ def keep(model: nn.Module, found: Hashable | None, reused: Reused) -> None:
         _entries.move_to_end(found)
         while len(_entries) > MAX_ENTRIES:
             _entries.popitem(last=False)
+
+
+def remember_as_written(model: nn.Module, found: Hashable | None, shift: int | None) -> None:
+    """Add the as-written shift to the entry for ``found``, if it is still kept for
+    ``model`` (an entry made without it, before a plan asked for it)."""
+    if found is None:
+        return
+    with _lock:
+        entry = _entries.get(found)
+        if entry is not None and entry[0]() is model and not entry[1].as_written_known:
+            known = dataclasses.replace(entry[1], as_written_shift=shift, as_written_known=True)
+            _entries[found] = (entry[0], known)
 
 
 def clear_cache() -> None:
