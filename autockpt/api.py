@@ -467,9 +467,8 @@ class Planner:
         """The per-block hand plan as stage ranges (None without repeated blocks)."""
         self.planning_peak_bytes = prepared.planning_peak_bytes
         self.predictor = Predictor(prepared)
-        per_block = prepared.per_block_segments
         self.search = BudgetSearch(
-            self.chain, self.predictor, seeds=(per_block,) if per_block else (), leanest=leanest
+            self.chain, self.predictor, seeds=prepared.seeds, leanest=leanest
         )
 
     def _plan_inside_submodule(self, error: TraceError, request: Request) -> None:

@@ -10,6 +10,12 @@ from typing import Any
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 # Spinning OpenMP workers starve each other on a small shared machine; sleep instead.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Measured node times are stored per machine (NOTE [timing: stored]); the suite keeps its
+# own store, fresh per run, so no test reads times a previous run measured.
+if "AUTOCKPT_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["AUTOCKPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="autockpt-tests-")
 
 import warnings  # noqa: E402
 

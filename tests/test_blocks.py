@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autockpt.api import Planner
 from autockpt.capture import Capture, Inputs, capture
 from autockpt.costs.blocks import (
     RepeatedBlocks,
     block_cut_positions,
     block_node_ranges,
+    find_block_classes,
     find_repeated_blocks,
 )
 from autockpt.costs.problem import DEFAULT_MAX_STAGES, Chain, NodeRange, StageRange, build_chain
@@ -27,6 +29,7 @@ from autockpt.planning.sharding import detect_units
 from autockpt.planning.specs import buffers_used as _buffers_used
 from autockpt.rewrite import SegmentSpec, rewrite
 from autockpt_zoo.toy import ZOO
+from solvers.search import recompute_seconds
 from tests.conftest import assert_same_step, train_step
 
 SMALL_MAX_STAGES = 8
@@ -607,3 +610,127 @@ def test_a_block_that_mutates_its_input_cannot_be_checkpointed():
     train_step(copy.deepcopy(model), x)  # eager is fine
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         train_step(by_hand, x)
+
+
+# -- every repeated class, and the shares of its blocks -----------------------------------------
+
+
+class InnerBlock(nn.Module):
+    """A bottleneck: the tensors inside are smaller than those between blocks, so the
+    fewest-bytes rule alone cuts inside blocks first and the stage cap drops boundaries."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(dim, dim // 8)
+        self.up = nn.Linear(dim // 8, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.up(F.gelu(self.down(x))))
+
+
+class OuterStage(nn.Module):
+    """timm's pattern: a stage holds its blocks in a Sequential, the model its stages."""
+
+    def __init__(self, dim: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(InnerBlock(dim) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(x))
+
+
+class Staged(nn.Module):
+    def __init__(self, stages: int, depth: int, dim: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Linear(dim, dim)
+        self.stages = nn.Sequential(*(OuterStage(dim, depth) for _ in range(stages)))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+def test_every_repeated_class_is_found_at_every_depth():
+    """The stages (most parameters) come first and stay *the* blocks; the blocks inside
+    the stages are a class of their own, across all three stages' containers."""
+    model = Staged(stages=3, depth=2)
+    classes = find_block_classes(model)
+    assert [c.block_class for c in classes] == ["OuterStage", "InnerBlock"]
+    assert classes[0] == find_repeated_blocks(model)
+    assert classes[1].containers == ("stages.0.blocks", "stages.1.blocks", "stages.2.blocks")
+    assert classes[1].children == tuple(f"stages.{s}.blocks.{b}" for s in range(3) for b in (0, 1))
+
+
+def test_every_one_line_plan_is_exact_and_bounds_the_minimum_past_the_stage_cap():
+    """A 4 x 32-block model of more than 500 nodes, capped at 160 stages: the inner blocks'
+    plan would lose its boundaries to the cap with only the stages' cuts required; with
+    every class's cuts required both one-line plans are exact plans of the chain, both
+    seed the search, and the stated minimum is at most each of them."""
+    torch.manual_seed(0)
+    model, x = Staged(stages=4, depth=32), torch.randn(4, 16)
+    planner = Planner(model, (x,), max_stages=DEFAULT_MAX_STAGES, cache=False)
+    prepared = planner.prepared
+    assert len(prepared.capture.compute_nodes()) > 500
+    classes = find_block_classes(model)
+    stages_only = build_chain(
+        prepared.capture,
+        prepared.profile,
+        max_stages=DEFAULT_MAX_STAGES,
+        required_cuts=block_cut_positions(prepared.capture, classes[0]),
+    )
+    inner = block_node_ranges(prepared.capture, classes[1])
+    assert len(inner) == 128
+    assert stages_only.stage_ranges_for(inner) is None  # the cap merges them away
+    assert planner.chain.num_stages == DEFAULT_MAX_STAGES
+    plans = prepared.block_plans
+    assert [p.label for p in plans] == [c.label for c in classes]
+    assert all(p.exact for p in plans)
+    assert len(plans[1].segments) == 128
+    for plan in plans:
+        assert plan.segments in prepared.seeds
+        assert planner.minimum_peak_bytes <= planner.predict(plan.segments)
+
+
+def test_shares_seed_the_search_so_plans_stay_on_or_below_the_line():
+    """ "Checkpoint the first k blocks" for every k seeds the search: under the time model
+    the solver ranks by, the plan at every budget between per-block's peak and no
+    checkpointing costs at most the straight line between the two, and never more than
+    the plan of a tighter budget."""
+    model, example = ZOO["gpt"]()
+    planner = Planner(model, example, loss_fn=lambda out: out[1], cache=False)
+    per_block = planner.per_block_segments
+    assert per_block is not None and len(per_block) == 4
+    for k in range(1, 4):
+        assert per_block[:k] in planner.prepared.seeds
+    chain = planner.search.replay_chain
+    low, high = planner.predict(per_block), planner.predict([])
+    cost_low = recompute_seconds(chain, per_block)
+    previous = None
+    for step in range(9):
+        budget = low + (high - low) * step // 8
+        found = planner.search.least_recompute(budget, selective=False)
+        assert planner.predict(found.segments) <= budget
+        cost = recompute_seconds(chain, found.segments)
+        line = cost_low * (high - budget) / (high - low)
+        assert cost <= line + 1e-12, (step, cost, line)
+        if previous is not None:
+            assert cost <= previous + 1e-12, (step, cost, previous)
+        previous = cost
+
+
+@pytest.mark.slow
+def test_torchvision_densenet121_dense_layers_seed_the_search():
+    """torchvision keeps its dense layers in ``_DenseBlock`` s, each an ``nn.ModuleDict``:
+    the blocks are its 58 ``_DenseLayer`` s, their plan is exact, and the stated minimum is
+    at most its peak."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.densenet121(num_classes=10)
+    blocks = find_repeated_blocks(model)
+    assert blocks is not None and blocks.block_class == "_DenseLayer"
+    assert len(blocks.children) == 58
+    planner = Planner(model, (torch.randn(2, 3, 64, 64),), cache=False)
+    per_block = planner.prepared.per_block
+    assert per_block is not None and per_block.exact and len(per_block.segments) == 58
+    assert planner.minimum_peak_bytes <= planner.predict(per_block.segments)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils import _pytree as pytree
 
 from autockpt.base.inputs import Inputs
@@ -49,6 +50,10 @@ def default_loss(output: Any) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss
     _say_summed_once()
+    return _summed(output)
+
+
+def _summed(output: Any) -> torch.Tensor:
     tensors = [
         t
         for t in pytree.tree_leaves(_as_pytree(output))
@@ -60,6 +65,23 @@ def default_loss(output: Any) -> torch.Tensor:
             "mapping the output to a scalar loss"
         )
     return sum(t.float().sum() for t in tensors)
+
+
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+"""What fake tensors raise where an operator's result depends on values (``.item()``,
+``nonzero``)."""
+
+
+def loss_on_fake(loss_fn: LossFn, output: Any) -> tuple[torch.Tensor, bool]:
+    """``loss_fn(output)`` on the fake step's output, and False; for a loss that reads a
+    value (``.item()``: fake tensors have none), the sum of the output's floating tensors
+    instead, and True. Such a loss is measured: the probe runs it on real tensors and the
+    recorder moves the loss's windows to what the allocator saw (NOTE [record: loss
+    windows]); plans say so."""
+    try:
+        return loss_fn(output), False
+    except DATA_DEPENDENT:
+        return _summed(output), True
 
 
 def _say_summed_once() -> None:

@@ -28,7 +28,13 @@ from autockpt.base.allocations import StorageTracker, peak_above_start
 from autockpt.base.inputs import Inputs
 from autockpt.base.precision import fresh_autocast_cache
 from autockpt.base.rng import worst_case_draws
-from autockpt.base.runtime import LossFn, default_loss, fake_step, preserved_training_state
+from autockpt.base.runtime import (
+    LossFn,
+    default_loss,
+    fake_step,
+    loss_on_fake,
+    preserved_training_state,
+)
 from autockpt.capture.captured import Capture
 from autockpt.costs.interpret import CaptureInterpreter, placeholder_values
 
@@ -71,7 +77,7 @@ def _fake_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, capture: Captu
         tracker = StorageTracker({id(s) for s in storages})
         with tracker:
             output = _forward(model, fake_inputs, capture)
-            loss = loss_fn(output)
+            loss, _ = loss_on_fake(loss_fn, output)
             del output
             loss.backward()
             del loss

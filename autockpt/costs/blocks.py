@@ -50,10 +50,28 @@ Both finders this module replaced applied step 1 except at the edges (one admitt
 parameter-free containers and broke ties towards the *largest* name, the other broke ties
 by traversal order) and stopped there; step 2 is what a hand-written per-block plan spread
 over several containers needs.
+
+NOTE [blocks: every class]. The rule above names *the* blocks (the frontier's baseline, the
+FSDP units). The plan space is wider: for every class step 1 admits (a container of two or
+more children all of it, with parameters), "checkpoint each instance" is a plan someone
+writes in one line, at any depth (timm's stages and the blocks inside them, torchvision's
+dense layers inside each ``_DenseBlock``). :func:`find_block_classes` returns them all; the
+chain keeps every one of their boundaries as a required cut (coarsening to ``max_stages``
+never merges them away: required cuts are kept past that cap), and each class's plan
+seeds the search, so the stated minimum is at most each of them by construction.
+
+NOTE [blocks: shares]. Between checkpointing every block and checkpointing none lies the
+straight line a user gets by checkpointing a share of them. :func:`share_plans` gives the
+points of that line, checkpointing the *first* k blocks: recomputing a block during
+backward happens while every un-checkpointed block before it still holds its activations,
+so leaving the last blocks un-checkpointed (freed before any recompute starts) is the
+leanest way to checkpoint k of them. They seed the search too, so at every budget the plan
+is at least as cheap, under the time model the solver ranks by, as the share that fits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -91,18 +109,31 @@ NO_BLOCKS = (
 
 
 def find_repeated_blocks(model: nn.Module) -> RepeatedBlocks | None:
-    """Every child of class C of every ``ModuleList``/``Sequential`` whose children are all of
-    class C and that lies outside another such child, C being the class of the children of
-    the ``ModuleList``/``Sequential`` of >= 2 same-class children holding the most parameters
+    """Every child of class C of every ``ModuleList``/``Sequential``/``ModuleDict`` whose
+    children are all of class C and that lies outside another such child, C being the class
+    of the children of the container of >= 2 same-class children holding the most parameters
     (ties: more children, then the smallest name); ``None`` when the model has none. See the
     module docstring for why this rule."""
+    classes = find_block_classes(model)
+    return classes[0] if classes else None
+
+
+def find_block_classes(model: nn.Module) -> tuple[RepeatedBlocks, ...]:
+    """The blocks of *every* class that step 1 of the rule admits (a container of >= 2
+    children all of that class, with parameters), each expanded by step 2, ordered as step
+    1 ranks them (the class of :func:`find_repeated_blocks` first).
+
+    Why every class: "checkpoint each instance" is a one-line plan for each of them, and
+    the block a user would checkpoint often sits below the container with the most
+    parameters (timm's blocks inside its stages, a dense layer inside a dense block). The
+    search seeds itself with every such plan and the chain cuts at all their boundaries, so
+    the stated minimum is never above any of them (NOTE [blocks: every class])."""
     containers = [
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, _CONTAINERS) and len(module) > 0
     ]
-    best: tuple[int, int, str] | None = None
-    block_type: type[nn.Module] | None = None
+    best: dict[type[nn.Module], tuple[int, int, str]] = {}
     for name, module in containers:
         child_types = {type(child) for child in module.children()}
         if len(module) < 2 or len(child_types) != 1:
@@ -110,12 +141,25 @@ def find_repeated_blocks(model: nn.Module) -> RepeatedBlocks | None:
         params = sum(p.numel() for p in module.parameters())
         if params == 0:
             continue
+        block_type = child_types.pop()
         key = (params, len(module), name)
-        if best is None or key[:2] > best[:2] or (key[:2] == best[:2] and name < best[2]):
-            best = key
-            block_type = child_types.pop()
-    if block_type is None:
-        return None
+        held = best.get(block_type)
+        if held is None or _ranks_before(key, held):
+            best[block_type] = key
+    ranked = sorted(best, key=lambda t: (-best[t][0], -best[t][1], best[t][2]))
+    return tuple(_blocks_of(containers, block_type) for block_type in ranked)
+
+
+def _ranks_before(key: tuple[int, int, str], other: tuple[int, int, str]) -> bool:
+    """Step 1's order: more parameters, then more children, then the smaller name."""
+    return key[:2] > other[:2] or (key[:2] == other[:2] and key[2] < other[2])
+
+
+def _blocks_of(
+    containers: list[tuple[str, nn.Module]], block_type: type[nn.Module]
+) -> RepeatedBlocks:
+    """Step 2: the children of every container whose children are all ``block_type``,
+    outside a block already taken, in registration order."""
     taken: list[str] = []
     children: list[str] = []
     for name, module in containers:
@@ -160,14 +204,28 @@ def block_node_ranges(capture: Capture, blocks: RepeatedBlocks | None) -> tuple[
     return tuple(r for k, r in enumerate(ranges) if k not in overlapping)
 
 
-def block_cut_positions(capture: Capture, blocks: RepeatedBlocks | None) -> tuple[int, ...]:
+def block_cut_positions(
+    capture: Capture, blocks: RepeatedBlocks | Sequence[RepeatedBlocks] | None
+) -> tuple[int, ...]:
     """Cut positions (between compute nodes ``p-1`` and ``p``) that a plan checkpointing
-    each block needs: every block's first and stop index, except the graph's own ends
-    (0 and the node count), which bound the chain anyway. Sorted, without repeats; empty
-    when ``blocks`` is ``None``."""
-    ranges = block_node_ranges(capture, blocks)
+    each block needs (of every class given): every block's first and stop index, except the
+    graph's own ends (0 and the node count), which bound the chain anyway. Sorted, without
+    repeats; empty when ``blocks`` is ``None``."""
+    if blocks is None:
+        return ()
+    classes = (blocks,) if isinstance(blocks, RepeatedBlocks) else tuple(blocks)
     n = len(capture.compute_nodes())
-    return tuple(sorted({p for r in ranges for p in r if 0 < p < n}))
+    return tuple(
+        sorted(
+            {
+                p
+                for each in classes
+                for r in block_node_ranges(capture, each)
+                for p in r
+                if 0 < p < n
+            }
+        )
+    )
 
 
 @dataclass(frozen=True)
@@ -203,6 +261,13 @@ def per_block_plan(
         if inside and (not segments or inside[0] >= segments[-1].end):
             segments.append(StageRange(inside[0], inside[-1] + 1))
     return PerBlockPlan(blocks.label, tuple(segments), False)
+
+
+def share_plans(plan: PerBlockPlan) -> tuple[tuple[StageRange, ...], ...]:
+    """The plans checkpointing the first ``k`` of ``plan``'s blocks, ``k`` = 1 .. n-1: the
+    points of the line between checkpointing every block and none (NOTE [blocks: shares])."""
+    segments = plan.segments
+    return tuple(segments[:k] for k in range(1, len(segments)))
 
 
 def _within(name: str, module: str) -> bool:

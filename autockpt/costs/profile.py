@@ -9,7 +9,7 @@ Per compute node the profile records
 * the storages of its outputs and the storages it mutates in place (version counters), so
   that the chain builder never cuts across a tensor that is mutated later;
 * forward and backward seconds, each node run alone on the device (its forward, then
-  ``torch.autograd.grad`` of its outputs; the minimum over ``repeat`` runs: NOTE
+  ``torch.autograd.grad`` of its outputs; the median over ``repeat`` runs: NOTE
   [profile: probe]), FLOPs (``torch.utils.flop_counter``) and whether it draws random
   numbers (the operators' ``nondeterministic_seeded`` tag: NOTE [profile: fake structure]);
 * the kernels' workspaces beyond what the node's operators return (NOTE [profile: probe]);
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +52,12 @@ from autockpt.base.allocations import (
 from autockpt.base.inputs import Inputs
 from autockpt.base.optimizer import stand_in, state_tensors
 from autockpt.base.optimizer import step as optimizer_step
-from autockpt.base.precision import AutocastCasts, empty_autocast_cache, fresh_autocast_cache
+from autockpt.base.precision import (
+    AutocastCasts,
+    Precision,
+    empty_autocast_cache,
+    fresh_autocast_cache,
+)
 from autockpt.base.rng import worst_case_draws
 from autockpt.base.runtime import (
     LossFn,
@@ -59,11 +65,14 @@ from autockpt.base.runtime import (
     default_loss,
     device_of,
     fake_step,
+    loss_name,
+    loss_on_fake,
     now,
     tensors_in,
 )
 from autockpt.capture.captured import Capture
 from autockpt.costs.interpret import CaptureInterpreter, run_graph
+from autockpt.costs.timing import Timing, lookup, segment_seconds, settle, timing_key
 from autockpt.errors import TraceError
 
 
@@ -72,9 +81,10 @@ class NodeProfile:
     """What one compute node of the graph costs. Storages are indices into
     :attr:`Profile.storage_bytes`.
 
-    ``cost_seconds`` is the node's forward cost as the solvers see it: a deterministic
-    function of its FLOPs and bytes (NOTE [profile: cost model]), so that the same graph gives
-    the same plan in every process. ``forward_seconds``/``backward_seconds`` are measured on the
+    ``cost_seconds`` is the node's forward cost as the solvers see it: its measured forward
+    seconds (NOTE [timing: one time model]; the same in every process of a machine, NOTE
+    [timing: stored]), or without a probe the cost model's function of its FLOPs and bytes
+    (NOTE [profile: cost model]). ``forward_seconds``/``backward_seconds`` are measured on the
     device (NOTE [profile: probe]) and used to report times.
     ``forward_workspace``/``backward_workspace`` are the bytes its kernels allocate beyond the
     tensors its operators return."""
@@ -120,7 +130,14 @@ class Profile:
     device: str
     step_seconds: float
     times_estimated: bool = False
-    loss_workspace: int = 0
+    loss_probe: LossProbe | None = None
+    """What the allocator saw while the loss ran on real tensors (None: not probed)."""
+    timing: Timing | None = None
+    """The measured seconds (None: not probed, the cost model's): NOTE [timing: one time
+    model]."""
+    loss_measured: bool = False
+    """The loss reads a value (``.item()``) and cannot run on fake tensors: its memory is
+    the probe's alone (:func:`autockpt.base.runtime.loss_on_fake`)."""
     optimizer_workspace: int = 0
     """What the optimizer's real step allocates beyond what its operators return (a
     0-dim tensor wrapping a Python scalar per parameter on the CPU), when profiled with the
@@ -143,7 +160,10 @@ class Profile:
 
     @property
     def segment_overhead_seconds(self) -> float:
-        """Fixed cost of one checkpoint segment, in the units of ``cost_seconds``."""
+        """Fixed cost of one checkpoint segment, in the units of ``cost_seconds``: measured
+        with the node times (NOTE [timing: one time model]), else the cost model's."""
+        if self.timing is not None:
+            return self.timing.segment
         return SEGMENT_OVERHEAD_SECONDS.get(
             self.device.split(":")[0], SEGMENT_OVERHEAD_SECONDS["cuda"]
         )
@@ -191,7 +211,7 @@ def profile(
             buffer_names = {storage_key(b): name for name, b in held.items()}
             structure = _Recorder(model, capture, index_of, static_keys)
             output = run_graph(capture, model, fake_inputs, structure)
-            loss = loss_fn(output)
+            loss, loss_measured = loss_on_fake(loss_fn, output)
             _check_loss(loss)
             del output
             loss.backward()  # on fake tensors: the layouts of the gradients nodes receive
@@ -206,6 +226,21 @@ def profile(
             now_held = dict(model.named_buffers(remove_duplicate=False))
             replaced = {name for name, b in held.items() if now_held.get(name) is not b}
             mutated = tuple(sorted(written | replaced))
+        # one time model: measured seconds, the same in every process of this machine
+        # (NOTE [timing: one time model], NOTE [timing: stored]); stored ones skip the
+        # probe's timing passes
+        key = (
+            None
+            if estimate_times
+            else timing_key(
+                capture.fingerprint(),
+                model,
+                inputs.signature(),
+                (Precision.now(model).key(), loss_name(loss_fn)),
+                device,
+            )
+        )
+        stored = lookup(key, len(nodes)) if key is not None else None
         probe = (
             None
             if estimate_times
@@ -217,20 +252,31 @@ def profile(
                 loss_fn,
                 index_of,
                 structure,
-                max(1, repeat),
+                0 if stored is not None else max(1, repeat),
             )
         )
     costs = [
         estimated_seconds(structure.flops[i], structure.traffic[i], device.type)
         for i in range(len(nodes))
     ]
-    if probe is None:
+    timing: Timing | None = None
+    if probe is None or key is None:
         fwd_times = costs
         bwd_times = [2 * c for c in costs]
         step_seconds = 3 * sum(costs)
     else:
-        fwd_times, bwd_times = probe.forward_seconds, probe.backward_seconds
-        step_seconds = sum(fwd_times) + sum(bwd_times) + probe.loss_seconds
+        timing = stored or settle(
+            key,
+            Timing(
+                tuple(probe.forward_seconds),
+                tuple(probe.backward_seconds),
+                segment_seconds(device),
+                probe.loss_seconds,
+            ),
+        )
+        fwd_times, bwd_times = list(timing.forward), list(timing.backward)
+        costs = fwd_times
+        step_seconds = sum(fwd_times) + sum(bwd_times) + timing.loss
     profiles = tuple(
         NodeProfile(
             name=node.name,
@@ -263,7 +309,9 @@ def profile(
         device=str(device),
         step_seconds=step_seconds,
         times_estimated=estimate_times,
-        loss_workspace=probe.loss_workspace if probe else 0,
+        loss_probe=probe.loss if probe else None,
+        timing=timing,
+        loss_measured=loss_measured,
         optimizer_workspace=(
             _probe_optimizer(optimizer) if probe is not None and optimizer is not None else 0
         ),
@@ -272,11 +320,11 @@ def profile(
     )
 
 
-# NOTE [profile: cost model]. Plans must not change with machine noise (ranks and processes
-# must agree), so the solvers' recompute cost is a fixed function of the graph: a roofline
-# of each node's FLOPs and memory traffic at nominal rates for its device class, plus a
-# fixed per-node dispatch cost. Measured times only report (and scale) seconds. Only the
-# relative cost of nodes and segments matters to a plan.
+# NOTE [profile: cost model]. Where nothing is measured (the meta device, a planner without
+# a probe), the solvers' recompute cost is a fixed function of the graph: a roofline of each
+# node's FLOPs and memory traffic at nominal rates for its device class, plus a fixed
+# per-node dispatch cost. Where the probe runs, the measured seconds replace it (NOTE
+# [timing: one time model]).
 NOMINAL_RATES: dict[str, tuple[float, float, float]] = {
     # device type: (FLOP/s, bytes/s, seconds per node)
     "cpu": (50e9, 10e9, 10e-6),
@@ -469,6 +517,26 @@ _PROBE_MARK = "autockpt::probe::"
 
 
 @dataclass(frozen=True)
+class LossProbe:
+    """The loss run once on real tensors, like a node (NOTE [record: loss windows]): the
+    allocator's peak above the start of its forward, what its forward leaves allocated (its
+    result and what it saves for backward, kernels' own saves included), and the peak above
+    the start of its own backward. Raw allocator bytes: the recorder compares them with
+    what the fake step recorded for the loss, because a loss's operators may run as other
+    operators on fake tensors than on real ones (``mse_loss``'s CPU autograd saves a
+    difference the fake kernel never makes)."""
+
+    forward_peak: int
+    forward_net: int
+    backward_peak: int
+    saved_output_bytes: int = 0
+    """The model's outputs the loss saves for its backward (a logsumexp's input)."""
+    output_gradient_bytes: int = 0
+    """The gradients of the model's output the loss's backward hands on (distinct storages:
+    a summed output's gradient is a broadcast scalar)."""
+
+
+@dataclass(frozen=True)
 class _ProbeResult:
     forward_seconds: list[float]
     backward_seconds: list[float]
@@ -477,7 +545,7 @@ class _ProbeResult:
     hidden_saved: list[int]
     device_forward_ops: list[tuple[tuple[str, int], ...]]
     loss_seconds: float
-    loss_workspace: int
+    loss: LossProbe | None
     peak_bytes: int
 
 
@@ -500,6 +568,10 @@ class _Prober(CaptureInterpreter):
         self.forward_seconds = [0.0] * n
         self.backward_seconds = [0.0] * n
         self.device: torch.device | None = None
+        self.loss_saved_output_bytes = 0
+        self.gradient_bytes: dict[str, int] = {}
+        """Per probed label, the bytes of the distinct storages of the gradients its
+        backward returned (the loss's: what it hands the model's backward)."""
 
     def run_node(self, n: fx.Node) -> Any:
         with torch.no_grad():
@@ -579,8 +651,10 @@ class _Prober(CaptureInterpreter):
                     tracker.static_ids |= {id(t.untyped_storage()) for t in outs + grads}
                 start = now(self.device)
                 with self._window(f"b{label}"):
-                    torch.autograd.grad(outs, targets, grads, allow_unused=True)
+                    given = torch.autograd.grad(outs, targets, grads, allow_unused=True)
                 backward = now(self.device) - start
+                self.gradient_bytes[label] = StorageSet().add(g for g in given if g is not None)
+                del given
         return forward, backward
 
     @contextlib.contextmanager
@@ -625,30 +699,49 @@ def _probe(
         output = run_graph(capture, model, inputs, prober)
         _probe_loss(prober, output, loss_fn)
         del output
+    output_gradients = prober.gradient_bytes.get("loss", 0)
+    saved_outputs = prober.loss_saved_output_bytes
     events = allocator_events(session, device.type)
     tracked = tracker.deltas_by_window()
     ops = tracker.op_log()
     workspace: dict[str, int] = {}
     hidden: dict[str, int] = {}
+    loss_real: dict[str, list[int]] = {}
     for mark in marks(session, _PROBE_MARK):
         label = mark.name[len(_PROBE_MARK) :]
         real = [e.nbytes for e in events if mark.start_ns <= e.time_ns <= mark.end_ns]
+        if label in ("floss", "bloss"):
+            loss_real[label] = real
         seen = tracked.get(label, [])
         workspace[label] = max(0, peak_above_start(real) - peak_above_start(seen))
         hidden[label] = max(0, sum(real) - sum(seen))
     peak = static_bytes(model, inputs) + peak_above_start([e.nbytes for e in events])
     del session, events, tracked, tracker, prober
+    loss = (
+        LossProbe(
+            forward_peak=peak_above_start(loss_real["floss"]),
+            forward_net=sum(loss_real["floss"]),
+            backward_peak=peak_above_start(loss_real.get("bloss", [])),
+            output_gradient_bytes=output_gradients,
+            saved_output_bytes=saved_outputs,
+        )
+        if "floss" in loss_real
+        else None
+    )
 
-    forward = [float("inf")] * n
-    backward = [float("inf")] * n
-    loss_seconds = float("inf")
+    # per node the median over the timing passes (NOTE [timing: one time model]): a step
+    # is timed as the median of steps, and the sum of every node's minimum is below any
+    # whole step a busy machine runs
+    passes: list[tuple[list[float], list[float], float]] = []
     for _ in range(repeat):
         timer = _Prober(model, capture, index_of, structure, tracker=None)
         output = run_graph(capture, model, inputs, timer)
-        loss_seconds = min(loss_seconds, sum(_probe_loss(timer, output, loss_fn)))
+        loss_time = sum(_probe_loss(timer, output, loss_fn))
         del output
-        forward = [min(a, b) for a, b in zip(forward, timer.forward_seconds, strict=True)]
-        backward = [min(a, b) for a, b in zip(backward, timer.backward_seconds, strict=True)]
+        passes.append((timer.forward_seconds, timer.backward_seconds, loss_time))
+    forward = [statistics.median(p[0][i] for p in passes) if passes else 0.0 for i in range(n)]
+    backward = [statistics.median(p[1][i] for p in passes) if passes else 0.0 for i in range(n)]
+    loss_seconds = statistics.median(p[2] for p in passes) if passes else 0.0
     return _ProbeResult(
         forward_seconds=forward,
         backward_seconds=backward,
@@ -657,7 +750,7 @@ def _probe(
         hidden_saved=[hidden.get(f"f{i}", 0) for i in range(n)],
         device_forward_ops=[tuple(ops.get(f"f{i}", ())) for i in range(n)],
         loss_seconds=loss_seconds,
-        loss_workspace=max(workspace.get("floss", 0), workspace.get("bloss", 0)),
+        loss=loss,
         peak_bytes=peak,
     )
 
@@ -707,7 +800,10 @@ def _gradient_like(
 
 
 def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, float]:
-    """Probe the loss like a node: on leaves made of the graph's (autograd-free) outputs."""
+    """Probe the loss like a node: on leaves made of the graph's (autograd-free) outputs.
+    Also notes the bytes of the outputs the loss saves for its backward
+    (``prober.loss_saved_output_bytes``): a loss measured rather than recorded on fake
+    tensors (:func:`autockpt.base.runtime.loss_on_fake`) holds them to its backward."""
     made: list[torch.Tensor] = []
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -720,14 +816,23 @@ def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, f
         fresh = pytree.tree_map_only(torch.Tensor, leaf, output)
     except Exception:  # an output type pytree cannot rebuild: the loss goes unprobed
         return 0.0, 0.0
-    return prober.probe(
-        "loss",
-        lambda args, kwargs: loss_fn(args[0]),
-        ((fresh,), {}),
-        tuple(True for _ in made),
-        False,
-        [],
-    )
+    leaves = {storage_key(t) for t in made}
+    saved = StorageSet()
+    saved_bytes = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved_bytes
+        if storage_key(t) in leaves:
+            saved_bytes += saved.add([t])
+        return t
+
+    def call(args: Any, kwargs: Any) -> Any:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return loss_fn(args[0])
+
+    seconds = prober.probe("loss", call, ((fresh,), {}), tuple(True for _ in made), False, [])
+    prober.loss_saved_output_bytes = saved_bytes
+    return seconds
 
 
 def trained_parameters(

@@ -22,6 +22,13 @@ docstring for why a replay of recorded allocations. How a step is recorded, and 
   windows: one allocation of that many bytes over each window (:func:`_with_workspaces`). The
   window's peak then equals what the allocator reaches there; elsewhere the extra bytes can only
   over-count, never under-count.
+* NOTE [record: loss windows] **The loss, forward and backward.** The loss runs between the
+  graph's output and the graph's backward, outside the graph, and the probe measures it like a
+  node (NOTE [profile: probe]): its forward in one window, its own backward (down to the
+  gradient of the model's output) in the next. One window for both once spread the forward's
+  workspace (a CPU ``logsumexp`` allocates a temporary of its input's size and frees it before
+  returning) over the backward, whose gradients of that size peak later: every plan of a GPT
+  with a ``logsumexp`` loss was predicted one logits tensor above the allocator.
 * NOTE [record: early stop] **Early stop.** A checkpoint's recompute stops at the segment's last
   save for backward; the recorder notes, per node, how many events precede its last save
   (``last_pack``).
@@ -94,6 +101,7 @@ from autockpt.base.runtime import (
     LossFn,
     default_loss,
     fake_step,
+    loss_on_fake,
     preserved_training_state,
     tensors_in,
 )
@@ -273,17 +281,63 @@ def _with_probe(
     if profile.device != "meta":
         device_forward_ops = {i: node.device_forward_ops for i, node in enumerate(nodes)}
         _add_what_fake_kernels_miss(trace, fake_ops, device_forward_ops, hidden_saved)
-    if forward_workspace or backward_workspace or profile.loss_workspace or hidden_saved:
+    loss_forward, loss_backward, loss_hidden, loss_kept = _loss_terms(trace, profile)
+    loss = (loss_forward, loss_backward)
+    if (
+        forward_workspace
+        or backward_workspace
+        or any(loss)
+        or hidden_saved
+        or loss_hidden
+        or loss_kept
+    ):
         trace = _with_workspaces(
             trace,
             forward_workspace,
             backward_workspace,
-            profile.loss_workspace,
+            loss,
             hidden_saved,
             conversions,
             optimizer=profile.optimizer_workspace,
+            loss_hidden_saved=loss_hidden,
+            loss_kept=loss_kept,
         )
     return trace
+
+
+def _loss_terms(trace: MemoryTrace, profile: Profile) -> tuple[int, int, int, int]:
+    """What the loss's windows need besides their fake events for their peaks to be the
+    allocator's (NOTE [record: loss windows]): a forward workspace, a backward workspace,
+    bytes held from the forward to the end of the loss's backward, and bytes its backward
+    leaves (the gradients of the model's output) held to the end of the step. Measured
+    against the fake events of the same windows; never negative (a window the fake step
+    over-counts stays over-counted)."""
+    real = profile.loss_probe
+    windows = [w for w, win in enumerate(trace.windows) if win.phase == LOSS]
+    if real is None or len(windows) != 2:
+        return 0, 0, 0, 0
+    # each window's own allocations and their frees there: the probe's loss ran on leaves
+    # that outlive it, so what was allocated before (the logits) never frees in its windows
+    deltas: dict[int, list[int]] = {w: [] for w in windows}
+    born: dict[int, int] = {}
+    for a, w in trace.events:
+        if a not in born:
+            born[a] = w
+            if w in deltas:
+                deltas[w].append(trace.sizes[a])
+        elif born[a] == w and w in deltas:
+            deltas[w].append(-trace.sizes[a])
+    forward, backward = (deltas[w] for w in windows)
+    held = max(0, real.forward_net - sum(forward))
+    if profile.loss_measured:  # the stand-in saved none of the outputs the loss saves
+        held += real.saved_output_bytes
+    forward_workspace = max(0, real.forward_peak - held - peak_above_start(forward))
+    backward_workspace = max(0, real.backward_peak - peak_above_start(backward))
+    # a loss that ran as a stand-in on fake tensors (it reads a value) hands the model's
+    # backward the stand-in's gradients, broadcast scalars: the real ones are held instead,
+    # to the end of the step (an over-count after the model's last node has used them)
+    kept = real.output_gradient_bytes if profile.loss_measured else 0
+    return forward_workspace, backward_workspace, held, kept
 
 
 def _hold_cached_casts(trace: MemoryTrace, cached: set[int]) -> MemoryTrace:
@@ -366,10 +420,12 @@ def _with_workspaces(
     trace: MemoryTrace,
     forward: Mapping[int, int],
     backward: Mapping[int, int],
-    loss: int,
+    loss: tuple[int, int],
     hidden_saved: Mapping[int, int],
     conversions: set[int] = frozenset(),  # type: ignore[assignment]
     optimizer: int = 0,
+    loss_hidden_saved: int = 0,
+    loss_kept: int = 0,
 ) -> MemoryTrace:
     """``trace`` with what the probe saw and fake tensors cannot (NOTE [record: workspaces]):
     one workspace allocation spanning each window that has one, and each node's hidden saved
@@ -399,10 +455,11 @@ def _with_workspaces(
         after.setdefault(closes, []).append(a)
         return a
 
+    loss_windows = [w for w, win in enumerate(windows) if win.phase == LOSS]
     for w, win in enumerate(windows):
         size = {FORWARD: forward, BACKWARD: backward}.get(win.phase, {}).get(win.node, 0)
-        if win.phase == LOSS:
-            size = loss
+        if win.phase == LOSS:  # its forward, then its backward (NOTE [record: loss windows])
+            size = loss[min(loss_windows.index(w), len(loss) - 1)]
         if win.phase == OPTIMIZER:
             size = optimizer
         if w in conversions:
@@ -419,6 +476,10 @@ def _with_workspaces(
             # allocated as the forward starts: before the node's saves, so a recompute that
             # stops after its last save (NOTE [record: early stop]) makes them again
             saved[node].append(span(size, forward_window[node], last_backward[node], True))
+    if loss_hidden_saved > 0 and loss_windows:  # held to the end of the loss's backward
+        span(loss_hidden_saved, loss_windows[0], loss_windows[-1], True)
+    if loss_kept > 0 and loss_windows:  # the output's gradients a measured loss leaves
+        span(loss_kept, loss_windows[-1], len(windows) - 1, False)
     # One pass in time order; windows only advance along the event list.
     events: list[tuple[int, int]] = []
     position = [0] * (len(trace.events) + 1)  # old event index -> new one (for last_pack)
@@ -664,8 +725,13 @@ def _record(
         runner.env.clear()  # the interpreter would hold the graph's outputs through backward
         windows.append(Window(LOSS, -1))
         tracker.window = len(windows) - 1
-        loss = loss_fn(output)
+        loss, _ = loss_on_fake(loss_fn, output)
         del output
+        # the loss's own backward: a window of its own, so that the forward's workspace
+        # (a logsumexp's temporary) is not counted under the backward's gradients (NOTE
+        # [record: loss windows])
+        windows.append(Window(LOSS, -1))
+        tracker.window = len(windows) - 1
         tracker.backward_window_of = backward_window_of
         runner.on_pack = None
         runner.on_unpack = on_unpack

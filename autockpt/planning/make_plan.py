@@ -193,12 +193,25 @@ def _notes(
     )
     notes.append(prepared.precision.note())  # checked at each training call (precision.py)
     notes.append(_loss_note(loss_name(prepared.request.loss_fn)))
+    if prof.loss_measured:
+        notes.append(
+            "the loss reads a value (.item() or a data-dependent shape) and cannot run on fake "
+            "tensors: its memory is what the allocator measured of it on real tensors (its "
+            "forward and backward peaks, the outputs it saves, the gradients it hands back)"
+        )
     if prof.times_estimated:
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
     else:
+        timing = prof.timing
+        where = (
+            f"; measured {'by an earlier process, ' if timing.reused else ''}"
+            f"stored in {timing.stored} (reruns on this machine rank by the same seconds)"
+            if timing is not None and timing.stored
+            else ""
+        )
         notes.append(
-            "segments chosen by a cost model of FLOPs and bytes (deterministic); seconds "
-            "reported are measured node by node"
+            "segments ranked by the seconds this plan reports: each node's measured forward "
+            f"time and a measured fixed cost per segment{where}"
         )
     if prepared.planning_peak_bytes is not None:
         notes.append(f"planning peak: {prepared.planning_peak_bytes} bytes (allocator)")

@@ -95,13 +95,13 @@ class Predictor:
     ) -> float:
         """Seconds a plan adds to a step: the measured forward seconds of the nodes it
         recomputes (not those kept inside a segment, which cost ``KEEP_OVERHEAD_SECONDS``
-        each) plus the fixed cost per segment (the cost model's where nothing was measured).
-        The solvers rank plans by the cost model instead (NOTE [profile: cost model])."""
+        each) plus the measured fixed cost per segment (the cost model's where nothing was
+        measured): the seconds the solvers rank plans by (NOTE [timing: one time model])."""
         prof = self.prepared.profile
         nodes = prof.nodes
         skipped = {i for nodes_kept in kept for i in nodes_kept}
         seconds = sum(
-            nodes[i].forward_seconds
+            nodes[i].cost_seconds
             for first, stop in self.node_ranges(segments)[0]
             for i in range(first, stop)
             if i not in skipped

@@ -47,12 +47,14 @@ from autockpt.costs.blocks import (
     PerBlockPlan,
     RepeatedBlocks,
     block_cut_positions,
-    find_repeated_blocks,
+    find_block_classes,
     per_block_plan,
+    share_plans,
 )
 from autockpt.costs.problem import Chain, StageRange, build_chain
 from autockpt.costs.profile import Profile, profile, trained_parameters
 from autockpt.costs.record import ACCUMULATED_GRADIENTS, OPTIMIZER_STATE, record_trace
+from autockpt.costs.timing import TIMING_PASSES
 from autockpt.plan import RankMemory
 from autockpt.planning.sharding import Sharding, check_units_called, rank_problem
 from solvers import ChainProblem
@@ -144,6 +146,9 @@ class Prepared:
     per_block: PerBlockPlan | None
     """Checkpointing each repeated block, on this chain (the one derivation of the
     baseline: the search's seed, the frontier's per-block point)."""
+    block_plans: tuple[PerBlockPlan, ...]
+    """Checkpointing each instance of every repeated class (``per_block``'s class first):
+    the one-line plans the search seeds itself with (NOTE [blocks: every class])."""
     planning_peak_bytes: int | None
 
     @property
@@ -152,6 +157,20 @@ class Prepared:
         chain (None without repeated blocks)."""
         per = self.per_block
         return per.segments if per is not None and per.exact and per.segments else None
+
+    @property
+    def seeds(self) -> tuple[tuple[StageRange, ...], ...]:
+        """Plans the search must never do worse than: every exact one-line per-block plan
+        (NOTE [blocks: every class]) and the shares of each (NOTE [blocks: shares]), in
+        that order, without repeats."""
+        found: dict[tuple[StageRange, ...], None] = {}
+        for plan in self.block_plans:
+            if plan.exact and plan.segments:
+                found[plan.segments] = None
+        for plan in self.block_plans:
+            if plan.exact and plan.segments:
+                found.update(dict.fromkeys(share_plans(plan)))
+        return tuple(found)
 
     @property
     def meta(self) -> bool:
@@ -256,6 +275,7 @@ def prepare(
             loss_fn=request.loss_fn,
             optimizer=request.optimizer,
             estimate_times=None if request.probe else True,
+            repeat=TIMING_PASSES,
         )
         release_freed_heap()  # the probe's real tensors are gone: so are their pages
         # The plan simulator: one step's allocations (fake tensors plus measured
@@ -270,7 +290,8 @@ def prepare(
             optimizer=request.optimizer,
             accumulation_steps=request.accumulation_steps,
         )
-    blocks = find_repeated_blocks(model)
+    block_classes = find_block_classes(model)
+    blocks = block_classes[0] if block_classes else None
     resident = dict(trace.resident)
     chain = build_chain(
         captured,
@@ -280,9 +301,9 @@ def prepare(
         # the optimizer's state, the gradients a micro-batch accumulates into
         static_bytes=prof.static_bytes + sum(resident.values()),
         segment_overhead_seconds=prof.segment_overhead_seconds,
-        # every repeated block's boundaries are cuts: the per-block hand plan is
-        # always in the plan space (autockpt/costs/blocks.py)
-        required_cuts=block_cut_positions(captured, blocks),
+        # every repeated block's boundaries, of every class, are cuts: each per-block
+        # hand plan is always in the plan space (NOTE [blocks: every class])
+        required_cuts=block_cut_positions(captured, block_classes),
     )
     chain = scope_chain(chain, request.scope, prof.static_bytes)
     # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not the
@@ -319,6 +340,11 @@ def prepare(
         rank_memory=rank_memory,
         blocks=blocks,
         per_block=per_block_plan(chain, captured, blocks),
+        block_plans=tuple(
+            plan
+            for each in block_classes
+            if (plan := per_block_plan(chain, captured, each)) is not None
+        ),
         planning_peak_bytes=planning.peak(prof),
     )
 

@@ -1,0 +1,214 @@
+"""The one time model: the seconds the solver ranks plans by are the seconds plans report.
+
+NOTE [timing: one time model]. A plan's cost is the time its recompute adds to a step: the
+forward seconds of every node it recomputes plus a fixed cost per checkpointed segment (and
+per kept operator, :mod:`solvers.selective`). Those seconds are *measured*: the probe runs
+every node alone on the device (NOTE [profile: probe]), the median over its timing passes,
+and a segment's fixed cost is measured once per machine (:func:`segment_seconds`). The
+search ranks plans by exactly these numbers and the plan reports them
+(``predicted_recompute_seconds``, ``predicted_step_seconds``), so "least recompute" means
+least under the seconds the user is shown. Before, the ranking used a nominal roofline (FLOPs
+and bytes at fixed rates), which on a 2-core CPU priced layer norms, GELUs and dropouts at a
+seventh of their measured time and matrix multiplies at half: plans it called cheapest were
+not the fastest measured (issue "Speed that holds").
+
+NOTE [timing: stored]. Measured times differ from process to process (a busy machine), and
+plans must not (the brief's "deterministic plans"). The first process to time a model on a
+machine stores what it measured; every later process, and every process timing it at the
+same moment, uses the stored times instead of its own. The store is a directory of small
+JSON files (``AUTOCKPT_CACHE_DIR``, default ``~/.cache/autockpt``; set it to an empty string
+to store nothing), one per key: the graph's structure, the parameters' shapes and dtypes, the
+inputs' signature, the precision, the device (its model name), the number of threads and the
+torch version. A file is published atomically and never replaced (``os.link`` fails when it
+exists: of processes racing, the first wins and the others read its file), so the same request
+ranks its plans by the same seconds in every process of the machine. Ranks of a distributed
+job need no store: rank 0 plans and broadcasts. Without a probe (the meta device,
+``Planner(probe=False)``) the nominal model stays (NOTE [profile: cost model]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+TIMING_PASSES = 3
+"""Timing passes of the probe (each runs every node once, forward and backward); a node's
+seconds are its median over them: one burst of load on a shared machine moves it little,
+and a step is timed as the median of steps (the sum of every node's minimum was 16-26%
+below the measured median step of a GPT on a 2-core CPU; docs/design.md "One time
+model")."""
+
+STORE_VERSION = 1
+"""Bumped when what a stored file means changes: older files are then not read."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Measured seconds of one model's step on one machine: per compute node its forward
+    and backward alone, and the fixed cost of one checkpointed segment."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    segment: float
+    loss: float = 0.0
+    """The loss's forward and backward (reported in the step; no plan changes it)."""
+    stored: str | None = None
+    """The file the seconds were read from or written to (None: nothing stored)."""
+    reused: bool = False
+    """Whether an earlier process measured them (this one's own times were not used)."""
+
+    def stored_at(self, path: str) -> Timing:
+        return dataclasses.replace(self, stored=path, reused=False)
+
+
+def store_dir() -> Path | None:
+    """Where measured times are stored (``AUTOCKPT_CACHE_DIR``, default
+    ``~/.cache/autockpt``), or None when the variable is set to an empty string."""
+    configured = os.environ.get("AUTOCKPT_CACHE_DIR")
+    if configured is not None:
+        return Path(configured).expanduser() / "timing" if configured.strip() else None
+    return Path.home() / ".cache" / "autockpt" / "timing"
+
+
+def timing_key(
+    fingerprint: str,
+    model: nn.Module,
+    input_signature: str,
+    precision: Any,
+    device: torch.device,
+) -> str:
+    """What a stored timing is for (NOTE [timing: stored]), hashed."""
+    shapes = [
+        (name, list(t.shape), str(t.dtype))
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+    ]
+    described = json.dumps(
+        {
+            "version": STORE_VERSION,
+            "graph": fingerprint,
+            "tensors": shapes,
+            "inputs": input_signature,
+            "precision": repr(precision),
+            "device": device_name(device),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(described.encode()).hexdigest()[:32]
+
+
+def device_name(device: torch.device) -> str:
+    """The device's model: a GPU's name, or the CPU's model and core count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{_cpu_model()}:{os.cpu_count()}"
+
+
+@functools.cache
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def lookup(key: str, nodes: int) -> Timing | None:
+    """The stored timing for ``key`` (of a graph of ``nodes`` compute nodes), if any."""
+    folder = store_dir()
+    return None if folder is None else _read(folder / f"{key}.json", nodes)
+
+
+def settle(key: str, measured: Timing) -> Timing:
+    """The timing every process uses for ``key``: the stored one when a file exists, else
+    ``measured``, stored now (NOTE [timing: stored]). A store that cannot be written (a
+    read-only home) leaves ``measured`` as it is."""
+    folder = store_dir()
+    if folder is None:
+        return measured
+    path = folder / f"{key}.json"
+    with contextlib.suppress(OSError):
+        folder.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "version": STORE_VERSION,
+            "forward": list(measured.forward),
+            "backward": list(measured.backward),
+            "segment": measured.segment,
+            "loss": measured.loss,
+        }
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as out:
+            json.dump(payload, out)
+        try:
+            os.link(out.name, path)  # atomic, and never over an existing file
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(out.name)
+    found = _read(path, len(measured.forward))
+    if found is None:
+        return measured
+    # this process's file when it won the race: its own seconds, not reused
+    return found if found.forward != measured.forward else measured.stored_at(str(path))
+
+
+def _read(path: Path, nodes: int) -> Timing | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("version") != STORE_VERSION or len(data.get("forward", ())) != nodes:
+        return None
+    return Timing(
+        forward=tuple(float(s) for s in data["forward"]),
+        backward=tuple(float(s) for s in data["backward"]),
+        segment=float(data["segment"]),
+        loss=float(data.get("loss", 0.0)),
+        stored=str(path),
+        reused=True,
+    )
+
+
+def segment_seconds(device: torch.device, rounds: int = 50) -> float:
+    """The fixed cost of one checkpointed segment on ``device``: a non-reentrant
+    ``torch.utils.checkpoint`` around a one-operator function on a tiny tensor, forward and
+    backward, less the same without the checkpoint (the minimum of each over ``rounds``
+    interleaved rounds; the recompute of the one operator is included, a few microseconds)."""
+    x = torch.ones(16, device=device, requires_grad=True)
+
+    def twice(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    def once(checkpointed: bool) -> float:
+        start = _now(device)
+        y = checkpoint(twice, x, use_reentrant=False) if checkpointed else twice(x)
+        y.sum().backward()
+        return _now(device) - start
+
+    with torch.enable_grad():
+        plain = wrapped = float("inf")
+        for _ in range(max(2, rounds)):
+            wrapped = min(wrapped, once(True))
+            plain = min(plain, once(False))
+    x.grad = None
+    return max(0.0, wrapped - plain)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
