@@ -79,7 +79,11 @@ from autockpt.planning.specs import segment_specs
 from autockpt.planning.verify import Attempt, fit_by_measuring
 from autockpt.rewrite.apply import apply_plan, rewrite_for_training, same, unwrap
 from autockpt.rewrite.apply import segment_specs_from_plan as specs_from_plan
-from autockpt.rewrite.result import mark_verified_compiled
+from autockpt.rewrite.result import (
+    ON_PRECISION_CHANGE,
+    mark_verified_compiled,
+    set_precision_change,
+)
 from solvers import METHODS, InfeasibleError, Simulation, Solution
 from solvers.selective import keepable_nodes
 
@@ -116,6 +120,7 @@ def optimize(
     accumulation_steps: int = 1,
     progress: ProgressFn | None = None,
     cache: bool = True,
+    on_precision_change: str = "replan",
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -165,6 +170,14 @@ def optimize(
     (``cache=True``; autockpt/planning/cache.py lists the key; ``autockpt.clear_cache()``
     forgets them). Each phase is logged on the ``"autockpt"`` logger at INFO, with its
     seconds; ``progress`` is called with a short description as each begins.
+
+    ``on_precision_change``: what a training call in another precision than planned does
+    (under ``torch.autocast``, after ``model.to(torch.bfloat16)``; Hugging Face's
+    ``Trainer(bf16=True)``): ``"replan"`` (default) plans again once for that precision,
+    within the same budget, from that call's arguments, warns, and keeps the new plan
+    (``result.plan``); ``"warn"`` runs the old plan (an fx graph; an export graph raises);
+    ``"raise"`` raises :class:`PlanMismatchError`. Settable later as
+    ``result.on_precision_change``.
     """
     budget_gb = check_budget_gb(budget_gb)
 
@@ -193,12 +206,45 @@ def optimize(
             selective=selective,
         )
 
-    return plan_on_one_rank(
+    if on_precision_change not in ON_PRECISION_CHANGE:
+        raise ValueError(
+            f"on_precision_change must be one of {ON_PRECISION_CHANGE}, got {on_precision_change!r}"
+        )
+    result = plan_on_one_rank(
         plan_here,
         lambda plan: apply(model, plan, example_inputs, optimizer=optimizer),
         PlanRequest(budget_gb, world_size, sharding, scope),
         plan_rank=plan_rank,
     )
+
+    def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+        # the same request, from the call in the new precision (NOTE [rewrite: precision
+        # change]); the result is planned from its plain model (unwrap)
+        return optimize(
+            module,
+            Inputs(tuple(args), dict(kwargs)),
+            budget_gb=budget_gb,
+            solver=solver,
+            scope=scope,
+            loss_fn=loss_fn,
+            time_limit_s=time_limit_s,
+            leaf_modules=leaf_modules,
+            verify=verify,
+            max_stages=max_stages,
+            world_size=world_size,
+            sharding=sharding,
+            fsdp_units=fsdp_units,
+            plan_rank=plan_rank,
+            selective=selective,
+            optimizer=optimizer,
+            accumulation_steps=accumulation_steps,
+            progress=progress,
+            cache=cache,
+            on_precision_change=on_precision_change,
+        )
+
+    set_precision_change(getattr(result, "_orig_mod", result), on_precision_change, replan)
+    return result
 
 
 def apply(
@@ -366,6 +412,19 @@ class Planner:
         cache: bool = True,
     ) -> None:
         budget_bytes = None if budget_gb is None else budget_in_bytes(check_budget_gb(budget_gb))
+        # what planning again for another precision repeats (NOTE [rewrite: precision change])
+        self._options: dict[str, Any] = dict(
+            scope=scope,
+            loss_fn=loss_fn,
+            leaf_modules=tuple(leaf_modules),
+            max_stages=max_stages,
+            world_size=world_size,
+            sharding=sharding,
+            fsdp_units=None if fsdp_units is None else tuple(fsdp_units),
+            optimizer=optimizer,
+            accumulation_steps=accumulation_steps,
+            cache=cache,
+        )
         model, self._hand_back = unwrap(model)
         self.progress: ProgressFn = progress or (lambda stage: None)
         if scope not in SCOPES:
@@ -718,6 +777,20 @@ class Planner:
         result.plan = with_measurement(
             plan, self.prepared, self.predictor, solution, fitted.measurement
         )
+
+        def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+            # this planner's request, from the call in the new precision (NOTE [rewrite:
+            # precision change]); the result is planned from its plain model (unwrap)
+            again = Planner(module, Inputs(tuple(args), dict(kwargs)), **self._options)
+            return again.optimize(
+                budget_gb=budget_gb,
+                solver=solver,
+                time_limit_s=time_limit_s,
+                verify=verify,
+                selective=selective,
+            )
+
+        set_precision_change(getattr(result, "_orig_mod", result), "replan", replan)
         return result
 
     def rewrite(

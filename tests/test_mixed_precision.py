@@ -1,13 +1,15 @@
 """Mixed precision: a plan made under ``torch.autocast`` holds under autocast (the weight
-casts autocast caches are counted), and a model trained in another precision than planned
-is told so at the call (a warning for fx graphs, a typed error for export graphs), never a
-crash inside the graph or silently different gradients."""
+casts autocast caches are counted); a model trained in another precision than planned plans
+again for it, once, within the same budget (NOTE [rewrite: precision change]), or, with
+``on_precision_change="warn"``, is told so at the call (a warning for fx graphs, a typed
+error for export graphs), never a crash inside the graph or silently different gradients."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -132,6 +134,7 @@ def test_float32_plan_under_autocast_warns_once_and_trains_like_eager():
     model, x = _mlp()
     planner = Planner(model, x)
     fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
+    fast.on_precision_change = "warn"
     assert fast.plan.capture_method != "export" and fast.plan.segments
     with autocast():
         expected = train_step(copy.deepcopy(model), x)
@@ -147,6 +150,7 @@ def test_autocast_plan_without_autocast_warns(autocast_planner):
     model, x, planner = autocast_planner
     with autocast():
         fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
+    fast.on_precision_change = "warn"
     with pytest.warns(PrecisionWarning, match="planned with float32 parameters under cpu"):
         train_step(fast, x)
 
@@ -155,6 +159,7 @@ def test_float32_plan_after_casting_the_model_warns_and_trains_like_eager():
     model, x = _mlp()
     planner = Planner(model, x)
     fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
+    fast.on_precision_change = "warn"
     reference = copy.deepcopy(model).to(torch.bfloat16)
     fast.to(torch.bfloat16)
     expected = train_step(reference, x.bfloat16())
@@ -168,6 +173,7 @@ def export_fast():
     model, x = _export_model()
     planner = Planner(model, x)
     fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
+    fast.on_precision_change = "warn"  # what an export graph does without re-planning
     assert fast.plan.capture_method == "export"
     return model, x, fast
 
@@ -256,7 +262,9 @@ def test_compile_after_an_eager_step_in_another_precision_trains_like_eager(
 
     def optimized(**kwargs) -> nn.Module:
         with same():
-            return planner.optimize(budget_gb=budget_gb_between(planner, 0.0), **kwargs)
+            fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0), **kwargs)
+        fast.on_precision_change = "warn"
+        return fast
 
     fast = optimized()
     assert fast.plan.segments and fast.plan.capture_method != "export"
@@ -296,3 +304,107 @@ def test_export_plan_after_an_eager_step_is_refused_compiled_in_another_precisio
     with autocast():
         with pytest.raises(PlanMismatchError, match="captured with torch.export"):
             compiled(x)
+
+
+# -- planning again for another precision (NOTE [rewrite: precision change]) -------------------
+
+
+def _replans(fast: nn.Module, step: Any) -> Any:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = step()
+    said = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(said) == 1 and "planning again" in said[0], said
+    return result
+
+
+@pytest.mark.parametrize("route", ["optimize", "planner"])
+def test_float32_plan_under_autocast_plans_again_and_holds_the_budget(route):
+    """What ``Trainer(bf16=True)`` does to a model planned in float32: the first training
+    call under autocast plans again (one warning), the result keeps its object and class and
+    holds the new plan; steps equal eager's under autocast, the measured peak is within the
+    budget and within 1% of the new prediction, and later calls say nothing more."""
+    model, x = _mlp()
+    planner = Planner(model, x)
+    budget = budget_gb_between(planner, 0.3)
+    if route == "optimize":
+        fast = autockpt.optimize(model, x, budget_gb=budget)
+    else:
+        fast = planner.optimize(budget_gb=budget)
+    old = fast.plan
+    assert Precision.from_notes(old.notes) == Precision(("float32",))
+    with autocast():
+        expected = [train_step(copy.deepcopy(model), x, seed=s) for s in (1, 2)]
+        got = _replans(fast, lambda: train_step(fast, x, seed=1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PrecisionWarning)
+            got_again = train_step(fast, x, seed=2)
+        measured = autockpt.measure(fast, x, repeat=0, warmup=0)
+        now = Precision.now(fast)
+    assert_same_step(expected[0], got)
+    assert_same_step(expected[1], got_again)
+    assert fast.plan is not old and Precision.from_notes(fast.plan.notes) == now
+    assert fast.plan.budget_bytes == old.budget_bytes
+    assert measured.peak_bytes <= fast.plan.budget_bytes
+    assert abs(fast.plan.predicted_peak_bytes - measured.peak_bytes) <= 0.01 * measured.peak_bytes
+    assert type(fast).__name__ == type(model).__name__
+
+
+def test_float32_plan_after_casting_to_bfloat16_plans_again():
+    model, x = _mlp()
+    fast = autockpt.optimize(model, x, budget_gb=budget_gb_between(Planner(model, x), 0.3))
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    fast.to(torch.bfloat16)
+    expected = train_step(reference, x.bfloat16())
+    got = _replans(fast, lambda: train_step(fast, x.bfloat16()))
+    assert_same_step(expected, got)
+    assert "bfloat16" in Precision.from_notes(fast.plan.notes).describe()
+    assert autockpt.measure(fast, x.bfloat16(), repeat=0, warmup=0).peak_bytes <= (
+        fast.plan.budget_bytes
+    )
+
+
+def test_export_plan_under_autocast_plans_again():
+    """An export graph holds the planned dtypes and cannot run under autocast: it is
+    captured again for the new precision, and trains like eager under it."""
+    model, x = _export_model()
+    with autocast():  # a budget the autocast step can meet (it keeps the weights' casts)
+        budget = budget_gb_between(Planner(model, x), 0.5)
+    fast = Planner(model, x).optimize(budget_gb=budget)
+    assert fast.plan.capture_method == "export"
+    with autocast():
+        expected = train_step(copy.deepcopy(model), x)
+        got = _replans(fast, lambda: train_step(fast, x))
+        measured = autockpt.measure(fast, x, repeat=0, warmup=0)
+    assert_same_step(expected, got)
+    assert fast.plan.capture_method == "export"
+    assert measured.peak_bytes <= fast.plan.budget_bytes
+
+
+def test_a_budget_the_new_precision_cannot_meet_is_a_typed_error_saying_why():
+    """Planned in float32 at its leanest, a model of small activations under autocast also
+    keeps the bfloat16 casts of its weights: no plan fits. The call raises
+    InfeasibleBudgetError (never an unverified step), and the error says it came from
+    planning again."""
+    model, x = _export_model()
+    planner = Planner(model, x)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.0))
+    with autocast(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(autockpt.InfeasibleBudgetError) as raised:
+            train_step(fast, x)
+    assert any("planning RootShapeBranch again" in note for note in raised.value.__notes__)
+
+
+def test_on_precision_change_raise_refuses_an_fx_graph_too():
+    model, x = _mlp()
+    fast = autockpt.optimize(
+        model, x, budget_gb=budget_gb_between(Planner(model, x), 0.3), on_precision_change="raise"
+    )
+    assert fast.on_precision_change == "raise"
+    with autocast(), pytest.raises(PlanMismatchError, match="Plan under the precision"):
+        train_step(fast, x)
+    with pytest.raises(ValueError, match="on_precision_change must be one of"):
+        fast.on_precision_change = "ignore"
+    with pytest.raises(ValueError, match="on_precision_change must be one of"):
+        autockpt.optimize(model, x, budget_gb=1.0, on_precision_change="ignore")

@@ -162,7 +162,7 @@ class Profile:
     def segment_overhead_seconds(self) -> float:
         """Fixed cost of one checkpoint segment, in the units of ``cost_seconds``: measured
         with the node times (NOTE [timing: one time model]), else the cost model's."""
-        if self.timing is not None:
+        if self.timing is not None and self.timing.stored is not None:
             return self.timing.segment
         return SEGMENT_OVERHEAD_SECONDS.get(
             self.device.split(":")[0], SEGMENT_OVERHEAD_SECONDS["cuda"]
@@ -275,7 +275,8 @@ def profile(
             ),
         )
         fwd_times, bwd_times = list(timing.forward), list(timing.backward)
-        costs = fwd_times
+        if timing.stored is not None:  # else: nothing stored, the cost model ranks
+            costs = fwd_times
         step_seconds = sum(fwd_times) + sum(bwd_times) + timing.loss
     profiles = tuple(
         NodeProfile(

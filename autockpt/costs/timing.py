@@ -16,14 +16,15 @@ NOTE [timing: stored]. Measured times differ from process to process (a busy mac
 plans must not (the brief's "deterministic plans"). The first process to time a model on a
 machine stores what it measured; every later process, and every process timing it at the
 same moment, uses the stored times instead of its own. The store is a directory of small
-JSON files (``AUTOCKPT_CACHE_DIR``, default ``~/.cache/autockpt``; set it to an empty string
-to store nothing), one per key: the graph's structure, the parameters' shapes and dtypes, the
+JSON files (``AUTOCKPT_CACHE_DIR``, default ``~/.cache/autockpt``), one per key: the graph's structure, the parameters' shapes and dtypes, the
 inputs' signature, the precision, the device (its model name), the number of threads and the
 torch version. A file is published atomically and never replaced (``os.link`` fails when it
 exists: of processes racing, the first wins and the others read its file), so the same request
 ranks its plans by the same seconds in every process of the machine. Ranks of a distributed
 job need no store: rank 0 plans and broadcasts. Without a probe (the meta device,
-``Planner(probe=False)``) the nominal model stays (NOTE [profile: cost model]).
+``Planner(probe=False)``) the nominal model stays (NOTE [profile: cost model]), and so it does
+when ``AUTOCKPT_CACHE_DIR`` is set to an empty string (nothing stored: a process's own
+measurement would make its plans its own; the measured seconds are then only reported).
 """
 
 from __future__ import annotations

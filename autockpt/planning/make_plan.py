@@ -203,16 +203,18 @@ def _notes(
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
     else:
         timing = prof.timing
-        where = (
-            f"; measured {'by an earlier process, ' if timing.reused else ''}"
-            f"stored in {timing.stored} (reruns on this machine rank by the same seconds)"
-            if timing is not None and timing.stored
-            else ""
-        )
-        notes.append(
-            "segments ranked by the seconds this plan reports: each node's measured forward "
-            f"time and a measured fixed cost per segment{where}"
-        )
+        if timing is not None and timing.stored:
+            notes.append(
+                "segments ranked by the seconds this plan reports: each node's measured "
+                "forward time and a measured fixed cost per segment, "
+                f"{'measured by an earlier process and ' if timing.reused else ''}stored in "
+                f"{timing.stored} (reruns on this machine rank by the same seconds)"
+            )
+        else:
+            notes.append(
+                "segments ranked by a cost model of FLOPs and bytes (nothing stored: "
+                "AUTOCKPT_CACHE_DIR is empty); seconds reported are measured node by node"
+            )
     if prepared.planning_peak_bytes is not None:
         notes.append(f"planning peak: {prepared.planning_peak_bytes} bytes (allocator)")
     request = prepared.request

@@ -49,12 +49,15 @@ import torch
 from torch import nn
 
 from autockpt.base.inputs import Inputs, without_defaults
+from autockpt.base.precision import Precision, planned_precision
 from autockpt.base.precision import check_call as check_precision
 from autockpt.base.tree import ModuleTree, check_tree
 from autockpt.errors import (
+    AutockptError,
     CompileWarning,
     LargerInputWarning,
     PlanMismatchError,
+    PrecisionWarning,
     UncoveredCallWarning,
 )
 from autockpt.plan import Plan
@@ -67,6 +70,10 @@ checks); its presence is what makes a module a checkpointed result."""
 
 ON_LARGER_INPUT = ("error", "warn")
 """What a result does with a training call whose tensors are larger than planned."""
+
+ON_PRECISION_CHANGE = ("replan", "warn", "raise")
+"""What a result does with a training call in another precision than planned (NOTE
+[rewrite: precision change])."""
 
 
 # nn.Module's own registries and hook tables: a shallow copy gets its own, so that adding a
@@ -119,6 +126,11 @@ class _Checkpointing:
     # given by whoever makes a result for a plan (autockpt.rewrite.apply), which this module
     # cannot import (that one captures and rewrites, and so imports this one).
     rebuild: Callable[[nn.Module, Plan, bool, str], nn.Module] | None = None
+    # How a result plans again for a call in another precision, from that call's arguments
+    # (NOTE [rewrite: precision change]): given by the front door that planned it, which
+    # this module cannot import; None for results made from a saved plan.
+    replan: Callable[[nn.Module, tuple, dict], nn.Module] | None = None
+    on_precision_change: str = "replan"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Checkpointing:
         # Code, signature, checks and plan are immutable; only what was warned about is
@@ -201,6 +213,16 @@ def _class_body(base: type, namespace: dict[str, Any]) -> None:
                 'raises PlanMismatchError, "warn" warns once per shape and runs the graph.'
             ),
         ),
+        on_precision_change=property(
+            _get_on_precision_change,
+            _set_on_precision_change,
+            doc=(
+                "What a training call in another precision than planned does (autocast, "
+                'parameter dtypes): "replan" (default) plans again for it within the same '
+                'budget, "warn" runs the old plan and warns (an export graph raises), '
+                '"raise" raises PlanMismatchError.'
+            ),
+        ),
         __reduce_ex__=_reduce_ex,
         __deepcopy__=_deepcopy,
         __copy__=_copy,
@@ -227,7 +249,11 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
     # A module replaced after planning (LoRA adapters) would be bypassed by the graph, and
     # another precision changes its memory: autockpt/base/tree.py, autockpt/base/precision.py.
     check_tree(self, state.tree)
-    check_precision(self, state.plan, state.exported, state.warned)
+    if state.on_precision_change == "replan" and state.replan is not None:
+        state = _replanned_if_needed(self, state, args, kwargs)
+    check_precision(
+        self, state.plan, state.exported or state.on_precision_change == "raise", state.warned
+    )
     if torch.compiler.is_compiling():
         budget = state.plan.budget_bytes if state.plan is not None else None
         _warn_if_compiled_unverified(state.code, state.warned, type(self).__name__, budget)
@@ -253,6 +279,87 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
     elif state.input_check is not None:
         state.input_check(args, given)
     return state.code(self, *args, **given)
+
+
+# NOTE [rewrite: precision change]. A plan is made for one precision (autocast around the
+# call, parameter dtypes), and Hugging Face's ``Trainer(bf16=True)`` trains a model planned
+# in float32 under ``torch.autocast(bfloat16)``. Another precision changes every activation's
+# size, so the plan's budget no longer describes the step. A result that the front door
+# planned (it holds ``replan``) plans again, once per precision, from the arguments of the
+# first call in that precision (a real batch, shaped like the ones that follow), within the
+# same budget and options, and takes the new plan's graph and segments in place: the user's
+# object stays the same, ``result.plan`` is the new plan, and a warning says so. The planner
+# gets the plain model (:func:`plain_module`), never the result, and runs under the call's
+# own autocast context, so it sees the precision the call runs in. ``on_precision_change``:
+# "replan" (default), "warn" (an fx graph runs the old plan and warns once per precision, an
+# export graph raises: the behaviour before re-planning), "raise" (PlanMismatchError for
+# every graph). Under torch.compile there is no re-planning inside a trace: the check
+# warns or raises as before.
+def _replanned_if_needed(
+    self: nn.Module, state: _Checkpointing, args: tuple, kwargs: dict
+) -> _Checkpointing:
+    if torch.compiler.is_compiling() or state.plan is None:
+        return state
+    planned = planned_precision(state.plan)
+    current = Precision.now(self)
+    if planned is None or planned == current:
+        return state
+    warnings.warn(
+        f"{type(self).__name__} was planned with {planned.describe()}; this call runs with "
+        f"{current.describe()}: planning again for it, within the same budget "
+        f"({state.plan.budget_bytes} bytes). result.plan is the new plan; set "
+        "result.on_precision_change = 'raise' to refuse other precisions instead",
+        PrecisionWarning,
+        stacklevel=5,
+    )
+    try:
+        again = state.replan(self, args, kwargs)
+    except AutockptError as error:
+        error.add_note(
+            f"(raised planning {type(self).__name__} again for {current.describe()}: "
+            "plan for this precision yourself, or set on_precision_change='warn' to run "
+            "the old plan)"
+        )
+        raise
+    adopt(self, again)
+    return vars(self)[_STATE]
+
+
+def set_precision_change(
+    module: nn.Module,
+    on_precision_change: str,
+    replan: Callable[[nn.Module, tuple, dict], nn.Module],
+) -> None:
+    """Give a result the front door made its precision-change rule and how to plan again
+    (NOTE [rewrite: precision change]). A plan inside a submodule is not re-planned there
+    (its budget is the whole model's): such results keep the rule, without ``replan``."""
+    state: _Checkpointing | None = vars(module).get(_STATE)
+    if state is None:
+        return
+    state.on_precision_change = on_precision_change
+    if state.plan is not None and state.plan.submodule is None:
+        state.replan = replan
+
+
+def adopt(target: nn.Module, source: nn.Module) -> None:
+    """Make ``target`` (a result) run ``source``'s plan: its graph, segments (bound to
+    ``target``) and state, ``target``'s own settings and warnings kept. Both share the tree
+    (``source`` was planned from ``target``'s plain model)."""
+    old: _Checkpointing = vars(target)[_STATE]
+    new: _Checkpointing = vars(source)[_STATE]
+    for name in old.attributes:
+        vars(target).pop(name, None)
+    for name in new.attributes:
+        value = vars(source)[name]
+        object.__setattr__(target, name, value)
+        if isinstance(value, CheckpointSegment):
+            value.bind(target)
+    vars(target)[_STATE] = dataclasses.replace(
+        new,
+        on_larger_input=old.on_larger_input,
+        on_precision_change=old.on_precision_change,
+        warned=old.warned | new.warned,
+    )
 
 
 _VERIFIED_COMPILED = "verified compiled"
@@ -437,6 +544,16 @@ def _set_on_larger_input(self: nn.Module, value: str) -> None:
     if value not in ON_LARGER_INPUT:
         raise ValueError(f"on_larger_input must be one of {ON_LARGER_INPUT}, got {value!r}")
     vars(self)[_STATE].on_larger_input = value
+
+
+def _get_on_precision_change(self: nn.Module) -> str:
+    return vars(self)[_STATE].on_precision_change
+
+
+def _set_on_precision_change(self: nn.Module, value: str) -> None:
+    if value not in ON_PRECISION_CHANGE:
+        raise ValueError(f"on_precision_change must be one of {ON_PRECISION_CHANGE}, got {value!r}")
+    vars(self)[_STATE].on_precision_change = value
 
 
 def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
