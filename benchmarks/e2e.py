@@ -120,11 +120,22 @@ class Cell:
     same_as: str | None = None
     """The cell whose identical plan was measured and timed (this one shares its numbers)."""
     error: str | None = None
+    predicted_step_seconds: float | None = None
+    """The step time autockpt predicts for this plan (its one time model: the probe's
+    measured node seconds plus the recompute; autockpt's rows, none and per-block)."""
+    wall_step_seconds: float | None = None
+    """Median wall time of a step over the rounds (what the prediction is compared with)."""
+    line: float | None = None
+    """At this budget, the straight line between per-block checkpointing and none, as a
+    ratio to per-block: what checkpointing a share of the blocks gives (budgets between
+    per-block's measured peak and none's)."""
     times: list[float] = field(default_factory=list)
+    wall_times: list[float] = field(default_factory=list)
 
     def row(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("times")
+        out.pop("wall_times")
         return out
 
 
@@ -154,19 +165,22 @@ def _stepper(model: nn.Module, inputs: Inputs) -> Callable[[], None]:
     return step
 
 
-def _timed(step: Callable[[], None], device: torch.device) -> float:
+def _timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(the time ratios compare, wall seconds) of one step."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
         end.record()
         torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
+        seconds = start.elapsed_time(end) / 1e3
+        return seconds, seconds
     # On a CPU, the process's CPU time (all its threads): on a machine shared with other
     # work, wall time mostly measures who else is running; CPU time measures the step's work.
-    begin = time.process_time()
+    # Wall time too: predictions are of wall seconds.
+    begin, wall = time.process_time(), time.perf_counter()
     step()
-    return time.process_time() - begin
+    return time.process_time() - begin, time.perf_counter() - wall
 
 
 def _interleave(runners: list[_Runner], rounds: int, device: torch.device) -> None:
@@ -177,7 +191,9 @@ def _interleave(runners: list[_Runner], rounds: int, device: torch.device) -> No
     for r in range(rounds):
         order = runners[r % len(runners) :] + runners[: r % len(runners)]
         for runner in order:
-            runner.cell.times.append(_timed(runner.step, device))
+            cpu, wall = _timed(runner.step, device)
+            runner.cell.times.append(cpu)
+            runner.cell.wall_times.append(wall)
 
 
 def paired_ratio(a: Cell, b: Cell) -> float | None:
@@ -570,14 +586,36 @@ def run_case(
     _interleave(runners, rounds, device)
     for cell, reference in copies:
         cell.times = list(reference.times)
+        cell.wall_times = list(reference.wall_times)
     none = cells[0]
+    none.predicted_step_seconds = planner.step_seconds
     blocks = next((c for c in cells if c.method == "per_block" and c.times), None)
+    if blocks is not None and planner.per_block_segments:
+        blocks.predicted_step_seconds = planner.step_seconds + planner.recompute_seconds(
+            planner.per_block_segments
+        )
     for cell in cells:
         if cell.times:
             cell.step_seconds = statistics.median(cell.times)
+            cell.wall_step_seconds = statistics.median(cell.wall_times)
             cell.ratio_to_none = paired_ratio(cell, none)
             cell.ratio_to_per_block = paired_ratio(cell, blocks) if blocks else None
+    if blocks is not None:
+        for cell in cells:
+            cell.line = line_at(cell, blocks, none)
     return cells
+
+
+def line_at(cell: Cell, blocks: Cell, none: Cell) -> float | None:
+    """The straight line from per-block (ratio 1 at its measured peak) to no checkpointing
+    (its ratio to per-block at its peak), at ``cell``'s budget; None outside that range."""
+    low, high = blocks.measured_peak_bytes, none.measured_peak_bytes
+    if cell.budget_bytes is None or low is None or high is None or high <= low:
+        return None
+    ratio = paired_ratio(none, blocks)
+    if ratio is None or not low <= cell.budget_bytes <= high:
+        return None
+    return 1 + (ratio - 1) * (cell.budget_bytes - low) / (high - low)
 
 
 def _compiled_plan(
@@ -626,6 +664,7 @@ def _record_plan(cell: Cell, module: nn.Module) -> None:
     cell.plan = [[s.start_stage, s.end_stage] for s in module.plan.segments]
     cell.kept_ops = [_kept(s) for s in module.plan.segments]
     cell.predicted_peak_bytes = module.plan.predicted_peak_bytes
+    cell.predicted_step_seconds = module.plan.predicted_step_seconds
 
 
 def _kept(segment: Any) -> list[str]:
@@ -790,6 +829,32 @@ def _speed_targets(model: str, mine: list[Cell], method: str = "auto") -> list[T
             + (f"; {target.note}" if target.note else "")
         )
         out.append(target)
+    for cell in planned:
+        if cell.line is not None and cell.ratio_to_per_block is not None and not cell.error:
+            out.append(
+                Target(
+                    model,
+                    method,
+                    "step <= the line per-block -> none",
+                    cell.budget_label,
+                    cell.ratio_to_per_block,
+                    round(cell.line, 3),
+                    cell.ratio_to_per_block <= cell.line,
+                )
+            )
+        if cell.predicted_step_seconds is not None and cell.wall_step_seconds and not cell.error:
+            off = cell.predicted_step_seconds / cell.wall_step_seconds
+            out.append(
+                Target(
+                    model,
+                    method,
+                    "predicted step within 15% of measured (wall)",
+                    cell.budget_label,
+                    off,
+                    0.15,
+                    abs(off - 1) <= 0.15,
+                )
+            )
     return out
 
 
@@ -902,14 +967,15 @@ def summary_markdown(cells: list[Cell], targets: list[Target]) -> str:
             f"### {model}",
             "",
             "| method | budget | budget (MiB) | peak (MiB) | over budget | step (ms) | vs none "
-            "| vs per-block | profile + solve (s) | segments |",
-            "|---|---|---:|---:|:-:|---:|---:|---:|---:|---:|",
+            "| vs per-block | line | predicted / measured step | profile + solve (s) "
+            "| segments |",
+            "|---|---|---:|---:|:-:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for c in (c for c in cells if c.model == model):
             if c.error:
                 lines.append(
                     f"| {c.method} | {c.budget_label} | {_mib(c.budget_bytes)} | "
-                    f"error: {c.error[:160].replace('|', '/')} | | | | | | |"
+                    f"error: {c.error[:160].replace('|', '/')} | | | | | | | | |"
                 )
                 continue
             over = "" if c.over_budget is None else ("**YES**" if c.over_budget else "no")
@@ -917,6 +983,7 @@ def summary_markdown(cells: list[Cell], targets: list[Target]) -> str:
             lines.append(
                 f"| {c.method} | {c.budget_label} | {_mib(c.budget_bytes)} | {_mib(c.measured_peak_bytes)} "
                 f"| {over} | {step} | {_x(c.ratio_to_none)} | {_x(c.ratio_to_per_block)} "
+                f"| {_x(c.line)} | {_predicted_over_measured(c)} "
                 f"| {c.profile_seconds + c.solve_seconds:.1f} | {_segments(c)} |"
             )
         lines.append("")
@@ -934,6 +1001,12 @@ def summary_markdown(cells: list[Cell], targets: list[Target]) -> str:
             f"| {t.limit:g} | {met} | {t.note} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _predicted_over_measured(cell: Cell) -> str:
+    if cell.predicted_step_seconds is None or not cell.wall_step_seconds:
+        return ""
+    return f"{cell.predicted_step_seconds / cell.wall_step_seconds:.2f}"
 
 
 def headline_markdown(cells: list[Cell], method: str = "auto") -> str:
@@ -1054,6 +1127,19 @@ def _plots(cells: list[Cell], out_dir: Path) -> None:
                 if method in BUDGETED
                 else "none",
                 markersize=7,
+            )
+        ends = [
+            next((c for c in cells if c.model == model and c.method == m and c.times), None)
+            for m in ("per_block", "none")
+        ]
+        if all(ends) and ends[0].ratio_to_none is not None:
+            ax.plot(  # the line a share of the blocks gives (per-block -> none)
+                [c.measured_peak_bytes / 2**20 for c in ends],
+                [ends[0].ratio_to_none, 1.0],
+                color="black",
+                linestyle=":",
+                linewidth=1,
+                label="line per-block -> none",
             )
         ax.set_title(model)
         ax.set_xlabel("measured peak (MiB)")

@@ -408,3 +408,24 @@ def test_on_precision_change_raise_refuses_an_fx_graph_too():
         fast.on_precision_change = "ignore"
     with pytest.raises(ValueError, match="on_precision_change must be one of"):
         autockpt.optimize(model, x, budget_gb=1.0, on_precision_change="ignore")
+
+
+@pytest.mark.slow
+def test_hugging_face_llama_planned_in_float32_trains_under_bf16_autocast():
+    """What ``Trainer(bf16=True)`` does to a Llama planned in float32 (an export graph): it
+    raised PlanMismatchError at the first step; it now plans again, steps equal eager's
+    under autocast, and the step is measured within the budget."""
+    pytest.importorskip("transformers")
+    from autockpt_zoo.hf import HF_ZOO
+
+    model, inputs = HF_ZOO["hf_llama"]()
+    with autocast():
+        budget = budget_gb_between(Planner(model, inputs), 0.5)
+    fast = autockpt.optimize(model, inputs, budget_gb=budget)
+    assert fast.plan.capture_method == "export"
+    with autocast():
+        expected = train_step(copy.deepcopy(model), inputs)
+        got = _replans(fast, lambda: train_step(fast, inputs))
+        measured = autockpt.measure(fast, inputs, repeat=0, warmup=0)
+    assert_same_step(expected, got)
+    assert measured.peak_bytes <= fast.plan.budget_bytes

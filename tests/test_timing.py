@@ -158,3 +158,12 @@ def test_without_a_store_the_cost_model_ranks_and_measured_seconds_report(monkey
     prof = profile(model, capture(model, inputs), inputs, repeat=1)
     assert prof.timing is not None and prof.timing.stored is None
     assert [n.cost_seconds for n in prof.nodes] != [n.forward_seconds for n in prof.nodes]
+
+
+def test_clear_cache_stored_deletes_the_stored_times(store):
+    settle("z" * 32, Timing((0.5,), (1.0,), 1e-4))
+    assert lookup("z" * 32, 1) is not None
+    autockpt.clear_cache()
+    assert lookup("z" * 32, 1) is not None  # the in-process cache only
+    autockpt.clear_cache(stored=True)
+    assert lookup("z" * 32, 1) is None

@@ -129,6 +129,19 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def clear_store() -> int:
+    """Delete every stored timing file; how many were deleted."""
+    folder = store_dir()
+    if folder is None or not folder.is_dir():
+        return 0
+    deleted = 0
+    for path in folder.glob("*.json"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            deleted += 1
+    return deleted
+
+
 def lookup(key: str, nodes: int) -> Timing | None:
     """The stored timing for ``key`` (of a graph of ``nodes`` compute nodes), if any."""
     folder = store_dir()

@@ -55,6 +55,7 @@ from autockpt.base.inputs import Inputs
 from autockpt.base.precision import Precision
 from autockpt.capture.captured import Capture
 from autockpt.costs.profile import Profile
+from autockpt.costs.timing import clear_store
 from autockpt.planning.prepared import Request
 from solvers import Solution
 from solvers.replay import MemoryTrace
@@ -177,10 +178,14 @@ def remember_as_written(model: nn.Module, found: Hashable | None, shift: int | N
             _entries[found] = (entry[0], known)
 
 
-def clear_cache() -> None:
-    """Forget every kept preparation (``autockpt.clear_cache()``)."""
+def clear_cache(*, stored: bool = False) -> None:
+    """Forget every kept preparation (``autockpt.clear_cache()``); with ``stored``, also
+    delete the node times stored on this machine (NOTE [timing: stored]): the next plan of
+    each model measures them again."""
     with _lock:
         _entries.clear()
+    if stored:
+        clear_store()
 
 
 def cache_size() -> int:
