@@ -71,6 +71,7 @@ def test_three_processes_on_a_busy_machine_make_the_same_plan(name, tmp_path):
     assert len(list((tmp_path / "timing").iterdir())) == 1
 
 
+@pytest.mark.slow
 def test_with_nothing_stored_three_processes_make_the_same_plan():
     """``AUTOCKPT_CACHE_DIR=""``: nothing stored, the cost model ranks; the measured times
     (reported) differ from process to process, the plan does not."""
