@@ -80,7 +80,7 @@ from autockpt.planning.verify import Attempt, fit_by_measuring
 from autockpt.rewrite.apply import apply_plan, rewrite_for_training, same, unwrap
 from autockpt.rewrite.apply import segment_specs_from_plan as specs_from_plan
 from autockpt.rewrite.result import (
-    ON_PRECISION_CHANGE,
+    check_setting,
     mark_verified_compiled,
     set_precision_change,
 )
@@ -179,7 +179,10 @@ def optimize(
     ``"raise"`` raises :class:`PlanMismatchError`. Settable later as
     ``result.on_precision_change``.
     """
+    # every argument but the model and its inputs: what planning again repeats
+    request = {k: v for k, v in locals().items() if k not in ("model", "example_inputs")}
     budget_gb = check_budget_gb(budget_gb)
+    check_setting("on_precision_change", on_precision_change)
 
     def plan_here(budget_gb: float = budget_gb) -> nn.Module:
         planner = Planner(
@@ -206,10 +209,6 @@ def optimize(
             selective=selective,
         )
 
-    if on_precision_change not in ON_PRECISION_CHANGE:
-        raise ValueError(
-            f"on_precision_change must be one of {ON_PRECISION_CHANGE}, got {on_precision_change!r}"
-        )
     result = plan_on_one_rank(
         plan_here,
         lambda plan: apply(model, plan, example_inputs, optimizer=optimizer),
@@ -220,28 +219,7 @@ def optimize(
     def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
         # the same request, from the call in the new precision (NOTE [rewrite: precision
         # change]); the result is planned from its plain model (unwrap)
-        return optimize(
-            module,
-            Inputs(tuple(args), dict(kwargs)),
-            budget_gb=budget_gb,
-            solver=solver,
-            scope=scope,
-            loss_fn=loss_fn,
-            time_limit_s=time_limit_s,
-            leaf_modules=leaf_modules,
-            verify=verify,
-            max_stages=max_stages,
-            world_size=world_size,
-            sharding=sharding,
-            fsdp_units=fsdp_units,
-            plan_rank=plan_rank,
-            selective=selective,
-            optimizer=optimizer,
-            accumulation_steps=accumulation_steps,
-            progress=progress,
-            cache=cache,
-            on_precision_change=on_precision_change,
-        )
+        return optimize(module, Inputs(tuple(args), dict(kwargs)), **request)
 
     set_precision_change(getattr(result, "_orig_mod", result), on_precision_change, replan)
     return result

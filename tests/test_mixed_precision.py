@@ -318,6 +318,23 @@ def _replans(fast: nn.Module, step: Any) -> Any:
     return result
 
 
+def _export_plan_trained_under_autocast(model: nn.Module, inputs: Any, optimize: Any) -> nn.Module:
+    """Plan ``model`` in float32 (an export graph) with ``optimize(budget_gb=...)`` at a
+    budget its autocast step can meet (it keeps the weights' casts), then train under
+    autocast: it plans again, its step equals eager's and is measured within the budget."""
+    with autocast():
+        budget = budget_gb_between(Planner(model, inputs), 0.5)
+    fast = optimize(budget_gb=budget)
+    assert fast.plan.capture_method == "export"
+    with autocast():
+        expected = train_step(copy.deepcopy(model), inputs)
+        got = _replans(fast, lambda: train_step(fast, inputs))
+        measured = autockpt.measure(fast, inputs, repeat=0, warmup=0)
+    assert_same_step(expected, got)
+    assert measured.peak_bytes <= fast.plan.budget_bytes
+    return fast
+
+
 @pytest.mark.parametrize("route", ["optimize", "planner"])
 def test_float32_plan_under_autocast_plans_again_and_holds_the_budget(route):
     """What ``Trainer(bf16=True)`` does to a model planned in float32: the first training
@@ -368,17 +385,8 @@ def test_export_plan_under_autocast_plans_again():
     """An export graph holds the planned dtypes and cannot run under autocast: it is
     captured again for the new precision, and trains like eager under it."""
     model, x = _export_model()
-    with autocast():  # a budget the autocast step can meet (it keeps the weights' casts)
-        budget = budget_gb_between(Planner(model, x), 0.5)
-    fast = Planner(model, x).optimize(budget_gb=budget)
+    fast = _export_plan_trained_under_autocast(model, x, Planner(model, x).optimize)
     assert fast.plan.capture_method == "export"
-    with autocast():
-        expected = train_step(copy.deepcopy(model), x)
-        got = _replans(fast, lambda: train_step(fast, x))
-        measured = autockpt.measure(fast, x, repeat=0, warmup=0)
-    assert_same_step(expected, got)
-    assert fast.plan.capture_method == "export"
-    assert measured.peak_bytes <= fast.plan.budget_bytes
 
 
 def test_a_budget_the_new_precision_cannot_meet_is_a_typed_error_saying_why():
@@ -419,13 +427,6 @@ def test_hugging_face_llama_planned_in_float32_trains_under_bf16_autocast():
     from autockpt_zoo.hf import HF_ZOO
 
     model, inputs = HF_ZOO["hf_llama"]()
-    with autocast():
-        budget = budget_gb_between(Planner(model, inputs), 0.5)
-    fast = autockpt.optimize(model, inputs, budget_gb=budget)
-    assert fast.plan.capture_method == "export"
-    with autocast():
-        expected = train_step(copy.deepcopy(model), inputs)
-        got = _replans(fast, lambda: train_step(fast, inputs))
-        measured = autockpt.measure(fast, inputs, repeat=0, warmup=0)
-    assert_same_step(expected, got)
-    assert measured.peak_bytes <= fast.plan.budget_bytes
+    _export_plan_trained_under_autocast(
+        model, inputs, lambda **kw: autockpt.optimize(model, inputs, **kw)
+    )

@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -60,6 +60,7 @@ from autockpt.base.precision import (
 )
 from autockpt.base.rng import worst_case_draws
 from autockpt.base.runtime import (
+    DATA_DEPENDENT,
     LossFn,
     as_found,
     default_loss,
@@ -162,7 +163,7 @@ class Profile:
     def segment_overhead_seconds(self) -> float:
         """Fixed cost of one checkpoint segment, in the units of ``cost_seconds``: measured
         with the node times (NOTE [timing: one time model]), else the cost model's."""
-        if self.timing is not None and self.timing.stored is not None:
+        if self.timing is not None and self.timing.ranks:
             return self.timing.segment
         return SEGMENT_OVERHEAD_SECONDS.get(
             self.device.split(":")[0], SEGMENT_OVERHEAD_SECONDS["cuda"]
@@ -275,7 +276,7 @@ def profile(
             ),
         )
         fwd_times, bwd_times = list(timing.forward), list(timing.backward)
-        if timing.stored is not None:  # else: nothing stored, the cost model ranks
+        if timing.ranks:  # else: nothing stored, the cost model ranks
             costs = fwd_times
         step_seconds = sum(fwd_times) + sum(bwd_times) + timing.loss
     profiles = tuple(
@@ -429,7 +430,7 @@ class _Recorder(CaptureInterpreter):
                 # a scalar draw (LayerDrop) is answered by its worst case (autockpt/base/rng.py)
                 with FlopCounterMode(display=False) as counter, watch, worst_case_draws() as drawn:
                     result = super().run_node(n)
-        except (DynamicOutputShapeException, DataDependentOutputException) as error:
+        except DATA_DEPENDENT as error:
             raise _data_dependent(n, error) from error
         outputs = tensors_in(result)
         for k, t in enumerate(outputs):
@@ -569,10 +570,6 @@ class _Prober(CaptureInterpreter):
         self.forward_seconds = [0.0] * n
         self.backward_seconds = [0.0] * n
         self.device: torch.device | None = None
-        self.loss_saved_output_bytes = 0
-        self.gradient_bytes: dict[str, int] = {}
-        """Per probed label, the bytes of the distinct storages of the gradients its
-        backward returned (the loss's: what it hands the model's backward)."""
 
     def run_node(self, n: fx.Node) -> Any:
         with torch.no_grad():
@@ -606,10 +603,12 @@ class _Prober(CaptureInterpreter):
         in_place: bool,
         parameters: list[torch.Tensor],
         grad_layouts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
+        on_gradients: Callable[[tuple[torch.Tensor | None, ...]], None] | None = None,
     ) -> tuple[float, float]:
         """Run ``call`` forward and backward alone on fresh copies of its inputs: leaves
         where the step differentiates them, clones where the call writes in place. Returns
-        (forward, backward) seconds."""
+        (forward, backward) seconds; ``on_gradients`` is shown the gradients the backward
+        returned."""
         flat, spec = pytree.tree_flatten(args_kwargs)
         wants = iter(needs_grad)
         leaves: list[torch.Tensor] = []
@@ -654,7 +653,8 @@ class _Prober(CaptureInterpreter):
                 with self._window(f"b{label}"):
                     given = torch.autograd.grad(outs, targets, grads, allow_unused=True)
                 backward = now(self.device) - start
-                self.gradient_bytes[label] = StorageSet().add(g for g in given if g is not None)
+                if on_gradients is not None:
+                    on_gradients(given)
                 del given
         return forward, backward
 
@@ -698,10 +698,8 @@ def _probe(
     prober = _Prober(model, capture, index_of, structure, tracker=tracker)
     with profiler_session() as session:
         output = run_graph(capture, model, inputs, prober)
-        _probe_loss(prober, output, loss_fn)
+        loss_run = _probe_loss(prober, output, loss_fn)
         del output
-    output_gradients = prober.gradient_bytes.get("loss", 0)
-    saved_outputs = prober.loss_saved_output_bytes
     events = allocator_events(session, device.type)
     tracked = tracker.deltas_by_window()
     ops = tracker.op_log()
@@ -723,8 +721,8 @@ def _probe(
             forward_peak=peak_above_start(loss_real["floss"]),
             forward_net=sum(loss_real["floss"]),
             backward_peak=peak_above_start(loss_real.get("bloss", [])),
-            output_gradient_bytes=output_gradients,
-            saved_output_bytes=saved_outputs,
+            output_gradient_bytes=loss_run.output_gradient_bytes,
+            saved_output_bytes=loss_run.saved_output_bytes,
         )
         if "floss" in loss_real
         else None
@@ -737,7 +735,7 @@ def _probe(
     for _ in range(repeat):
         timer = _Prober(model, capture, index_of, structure, tracker=None)
         output = run_graph(capture, model, inputs, timer)
-        loss_time = sum(_probe_loss(timer, output, loss_fn))
+        loss_time = _probe_loss(timer, output, loss_fn).seconds
         del output
         passes.append((timer.forward_seconds, timer.backward_seconds, loss_time))
     forward = [statistics.median(p[0][i] for p in passes) if passes else 0.0 for i in range(n)]
@@ -800,11 +798,20 @@ def _gradient_like(
     return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).fill_(1)
 
 
-def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, float]:
+@dataclass(frozen=True)
+class _LossRun:
+    """One probe of the loss: its forward and backward seconds, the bytes of the model's
+    outputs it saves for its backward, and of the gradients it hands back."""
+
+    seconds: float = 0.0
+    saved_output_bytes: int = 0
+    output_gradient_bytes: int = 0
+
+
+def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> _LossRun:
     """Probe the loss like a node: on leaves made of the graph's (autograd-free) outputs.
-    Also notes the bytes of the outputs the loss saves for its backward
-    (``prober.loss_saved_output_bytes``): a loss measured rather than recorded on fake
-    tensors (:func:`autockpt.base.runtime.loss_on_fake`) holds them to its backward."""
+    What it saves of them and the gradients it returns are what a loss measured rather than
+    recorded on fake tensors (:func:`autockpt.base.runtime.loss_on_fake`) holds."""
     made: list[torch.Tensor] = []
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
@@ -816,10 +823,10 @@ def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, f
     try:
         fresh = pytree.tree_map_only(torch.Tensor, leaf, output)
     except Exception:  # an output type pytree cannot rebuild: the loss goes unprobed
-        return 0.0, 0.0
+        return _LossRun()
     leaves = {storage_key(t) for t in made}
     saved = StorageSet()
-    saved_bytes = 0
+    saved_bytes = gradient_bytes = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal saved_bytes
@@ -831,9 +838,14 @@ def _probe_loss(prober: _Prober, output: Any, loss_fn: LossFn) -> tuple[float, f
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             return loss_fn(args[0])
 
-    seconds = prober.probe("loss", call, ((fresh,), {}), tuple(True for _ in made), False, [])
-    prober.loss_saved_output_bytes = saved_bytes
-    return seconds
+    def count(given: tuple[torch.Tensor | None, ...]) -> None:
+        nonlocal gradient_bytes
+        gradient_bytes = StorageSet().add(g for g in given if g is not None)
+
+    forward, backward = prober.probe(
+        "loss", call, ((fresh,), {}), tuple(True for _ in made), False, [], on_gradients=count
+    )
+    return _LossRun(forward + backward, saved_bytes, gradient_bytes)
 
 
 def trained_parameters(

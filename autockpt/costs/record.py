@@ -73,6 +73,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -281,16 +282,8 @@ def _with_probe(
     if profile.device != "meta":
         device_forward_ops = {i: node.device_forward_ops for i, node in enumerate(nodes)}
         _add_what_fake_kernels_miss(trace, fake_ops, device_forward_ops, hidden_saved)
-    loss_forward, loss_backward, loss_hidden, loss_kept = _loss_terms(trace, profile)
-    loss = (loss_forward, loss_backward)
-    if (
-        forward_workspace
-        or backward_workspace
-        or any(loss)
-        or hidden_saved
-        or loss_hidden
-        or loss_kept
-    ):
+    loss = _loss_terms(trace, profile)
+    if forward_workspace or backward_workspace or loss.any() or hidden_saved:
         trace = _with_workspaces(
             trace,
             forward_workspace,
@@ -299,23 +292,36 @@ def _with_probe(
             hidden_saved,
             conversions,
             optimizer=profile.optimizer_workspace,
-            loss_hidden_saved=loss_hidden,
-            loss_kept=loss_kept,
         )
     return trace
 
 
-def _loss_terms(trace: MemoryTrace, profile: Profile) -> tuple[int, int, int, int]:
+@dataclass(frozen=True)
+class _LossTerms:
     """What the loss's windows need besides their fake events for their peaks to be the
-    allocator's (NOTE [record: loss windows]): a forward workspace, a backward workspace,
-    bytes held from the forward to the end of the loss's backward, and bytes its backward
-    leaves (the gradients of the model's output) held to the end of the step. Measured
-    against the fake events of the same windows; never negative (a window the fake step
-    over-counts stays over-counted)."""
+    allocator's (NOTE [record: loss windows]), in bytes."""
+
+    forward: int = 0
+    """A workspace over the loss's forward window."""
+    backward: int = 0
+    """A workspace over the loss's own backward window."""
+    held: int = 0
+    """Held from the loss's forward to the end of its backward."""
+    kept: int = 0
+    """Held from the end of the loss's backward to the end of the step (the gradients of
+    the model's output a measured loss hands on)."""
+
+    def any(self) -> bool:
+        return any((self.forward, self.backward, self.held, self.kept))
+
+
+def _loss_terms(trace: MemoryTrace, profile: Profile) -> _LossTerms:
+    """The loss's :class:`_LossTerms`, measured against the fake events of the same
+    windows; never negative (a window the fake step over-counts stays over-counted)."""
     real = profile.loss_probe
     windows = [w for w, win in enumerate(trace.windows) if win.phase == LOSS]
     if real is None or len(windows) != 2:
-        return 0, 0, 0, 0
+        return _LossTerms()
     # each window's own allocations and their frees there: the probe's loss ran on leaves
     # that outlive it, so what was allocated before (the logits) never frees in its windows
     deltas: dict[int, list[int]] = {w: [] for w in windows}
@@ -337,7 +343,7 @@ def _loss_terms(trace: MemoryTrace, profile: Profile) -> tuple[int, int, int, in
     # backward the stand-in's gradients, broadcast scalars: the real ones are held instead,
     # to the end of the step (an over-count after the model's last node has used them)
     kept = real.output_gradient_bytes if profile.loss_measured else 0
-    return forward_workspace, backward_workspace, held, kept
+    return _LossTerms(forward_workspace, backward_workspace, held, kept)
 
 
 def _hold_cached_casts(trace: MemoryTrace, cached: set[int]) -> MemoryTrace:
@@ -420,12 +426,10 @@ def _with_workspaces(
     trace: MemoryTrace,
     forward: Mapping[int, int],
     backward: Mapping[int, int],
-    loss: tuple[int, int],
+    loss: _LossTerms,
     hidden_saved: Mapping[int, int],
     conversions: set[int] = frozenset(),  # type: ignore[assignment]
     optimizer: int = 0,
-    loss_hidden_saved: int = 0,
-    loss_kept: int = 0,
 ) -> MemoryTrace:
     """``trace`` with what the probe saw and fake tensors cannot (NOTE [record: workspaces]):
     one workspace allocation spanning each window that has one, and each node's hidden saved
@@ -459,7 +463,7 @@ def _with_workspaces(
     for w, win in enumerate(windows):
         size = {FORWARD: forward, BACKWARD: backward}.get(win.phase, {}).get(win.node, 0)
         if win.phase == LOSS:  # its forward, then its backward (NOTE [record: loss windows])
-            size = loss[min(loss_windows.index(w), len(loss) - 1)]
+            size = loss.forward if w == loss_windows[0] else loss.backward
         if win.phase == OPTIMIZER:
             size = optimizer
         if w in conversions:
@@ -476,10 +480,10 @@ def _with_workspaces(
             # allocated as the forward starts: before the node's saves, so a recompute that
             # stops after its last save (NOTE [record: early stop]) makes them again
             saved[node].append(span(size, forward_window[node], last_backward[node], True))
-    if loss_hidden_saved > 0 and loss_windows:  # held to the end of the loss's backward
-        span(loss_hidden_saved, loss_windows[0], loss_windows[-1], True)
-    if loss_kept > 0 and loss_windows:  # the output's gradients a measured loss leaves
-        span(loss_kept, loss_windows[-1], len(windows) - 1, False)
+    if loss.held > 0 and loss_windows:  # held to the end of the loss's backward
+        span(loss.held, loss_windows[0], loss_windows[-1], True)
+    if loss.kept > 0 and loss_windows:  # the output's gradients a measured loss leaves
+        span(loss.kept, loss_windows[-1], len(windows) - 1, False)
     # One pass in time order; windows only advance along the event list.
     events: list[tuple[int, int]] = []
     position = [0] * (len(trace.events) + 1)  # old event index -> new one (for last_pack)

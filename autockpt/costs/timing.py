@@ -16,9 +16,9 @@ NOTE [timing: stored]. Measured times differ from process to process (a busy mac
 plans must not (the brief's "deterministic plans"). The first process to time a model on a
 machine stores what it measured; every later process, and every process timing it at the
 same moment, uses the stored times instead of its own. The store is a directory of small
-JSON files (``AUTOCKPT_CACHE_DIR``, default ``~/.cache/autockpt``), one per key: the graph's structure, the parameters' shapes and dtypes, the
-inputs' signature, the precision, the device (its model name), the number of threads and the
-torch version. A file is published atomically and never replaced (``os.link`` fails when it
+JSON files (``AUTOCKPT_CACHE_DIR``, default ``~/.cache/autockpt``), one per key: the
+graph's structure, the parameters' shapes and dtypes, the inputs' signature, the precision
+and the loss, the device (its model name), the number of threads and the torch version. A file is published atomically and never replaced (``os.link`` fails when it
 exists: of processes racing, the first wins and the others read its file), so the same request
 ranks its plans by the same seconds in every process of the machine. Ranks of a distributed
 job need no store: rank 0 plans and broadcasts. Without a probe (the meta device,
@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from autockpt.base.runtime import now
 
 TIMING_PASSES = 3
 """Timing passes of the probe (each runs every node once, forward and backward); a node's
@@ -71,6 +72,12 @@ class Timing:
     """The file the seconds were read from or written to (None: nothing stored)."""
     reused: bool = False
     """Whether an earlier process measured them (this one's own times were not used)."""
+
+    @property
+    def ranks(self) -> bool:
+        """Whether plans are ranked by these seconds: only stored ones, which every process
+        of the machine shares (else the cost model ranks: NOTE [timing: stored])."""
+        return self.stored is not None
 
     def stored_at(self, path: str) -> Timing:
         return dataclasses.replace(self, stored=path, reused=False)
@@ -208,10 +215,10 @@ def segment_seconds(device: torch.device, rounds: int = 50) -> float:
         return t * 2
 
     def once(checkpointed: bool) -> float:
-        start = _now(device)
+        start = now(device)
         y = checkpoint(twice, x, use_reentrant=False) if checkpointed else twice(x)
         y.sum().backward()
-        return _now(device) - start
+        return now(device) - start
 
     with torch.enable_grad():
         plain = wrapped = float("inf")
@@ -220,9 +227,3 @@ def segment_seconds(device: torch.device, rounds: int = 50) -> float:
             plain = min(plain, once(False))
     x.grad = None
     return max(0.0, wrapped - plain)
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()

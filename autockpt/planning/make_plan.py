@@ -203,7 +203,7 @@ def _notes(
         notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
     else:
         timing = prof.timing
-        if timing is not None and timing.stored:
+        if timing is not None and timing.ranks:
             notes.append(
                 "segments ranked by the seconds this plan reports: each node's measured "
                 "forward time and a measured fixed cost per segment, "

@@ -75,6 +75,8 @@ ON_PRECISION_CHANGE = ("replan", "warn", "raise")
 """What a result does with a training call in another precision than planned (NOTE
 [rewrite: precision change])."""
 
+_SETTINGS = {"on_larger_input": ON_LARGER_INPUT, "on_precision_change": ON_PRECISION_CHANGE}
+
 
 # nn.Module's own registries and hook tables: a shallow copy gets its own, so that adding a
 # parameter, a child or a hook to the result leaves the user's module as it was.
@@ -205,23 +207,17 @@ def _class_body(base: type, namespace: dict[str, Any]) -> None:
         __doc__=base.__doc__,
         forward=forward,
         plan=property(_get_plan, _set_plan, doc="The :class:`~autockpt.Plan` applied."),
-        on_larger_input=property(
-            _get_on_larger_input,
-            _set_on_larger_input,
-            doc=(
-                'What a training call with tensors larger than planned does: "error" (default) '
-                'raises PlanMismatchError, "warn" warns once per shape and runs the graph.'
-            ),
+        on_larger_input=_setting(
+            "on_larger_input",
+            'What a training call with tensors larger than planned does: "error" (default) '
+            'raises PlanMismatchError, "warn" warns once per shape and runs the graph.',
         ),
-        on_precision_change=property(
-            _get_on_precision_change,
-            _set_on_precision_change,
-            doc=(
-                "What a training call in another precision than planned does (autocast, "
-                'parameter dtypes): "replan" (default) plans again for it within the same '
-                'budget, "warn" runs the old plan and warns (an export graph raises), '
-                '"raise" raises PlanMismatchError.'
-            ),
+        on_precision_change=_setting(
+            "on_precision_change",
+            "What a training call in another precision than planned does (autocast, "
+            'parameter dtypes): "replan" (default) plans again for it within the same '
+            'budget, "warn" runs the old plan and warns (an export graph raises), '
+            '"raise" raises PlanMismatchError.',
         ),
         __reduce_ex__=_reduce_ex,
         __deepcopy__=_deepcopy,
@@ -536,24 +532,25 @@ def _set_plan(self: nn.Module, plan: Plan | None) -> None:
     vars(self)[_STATE].plan = plan
 
 
-def _get_on_larger_input(self: nn.Module) -> str:
-    return vars(self)[_STATE].on_larger_input
+def check_setting(name: str, value: str) -> None:
+    """A result's setting (``on_larger_input``, ``on_precision_change``) is one of its
+    choices, or :class:`ValueError` naming them."""
+    choices = _SETTINGS[name]
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _set_on_larger_input(self: nn.Module, value: str) -> None:
-    if value not in ON_LARGER_INPUT:
-        raise ValueError(f"on_larger_input must be one of {ON_LARGER_INPUT}, got {value!r}")
-    vars(self)[_STATE].on_larger_input = value
+def _setting(name: str, doc: str) -> property:
+    """The result's property ``name``: kept in its state, checked when set."""
 
+    def get(self: nn.Module) -> str:
+        return getattr(vars(self)[_STATE], name)
 
-def _get_on_precision_change(self: nn.Module) -> str:
-    return vars(self)[_STATE].on_precision_change
+    def set_(self: nn.Module, value: str) -> None:
+        check_setting(name, value)
+        setattr(vars(self)[_STATE], name, value)
 
-
-def _set_on_precision_change(self: nn.Module, value: str) -> None:
-    if value not in ON_PRECISION_CHANGE:
-        raise ValueError(f"on_precision_change must be one of {ON_PRECISION_CHANGE}, got {value!r}")
-    vars(self)[_STATE].on_precision_change = value
+    return property(get, set_, doc=doc)
 
 
 def _deepcopy(self: nn.Module, memo: dict[int, Any]) -> nn.Module:
