@@ -9,8 +9,8 @@
     fit_by_measuring (planning/verify.py)   search -> plan -> rewrite -> measure, tightened
                                             by what the measurement exceeded the prediction
 
-A root whose own forward cannot be captured is planned inside a submodule instead
-(``autockpt/planning/nested.py``). A plan is returned only when both its prediction and
+A root whose own forward cannot be captured runs eagerly and its submodule calls are
+planned as units (``autockpt/planning/nested.py``). A plan is returned only when both its prediction and
 its measured step fit the budget (``verify=True``, the default).
 """
 
@@ -33,6 +33,7 @@ from autockpt.base.rng import worst_case_draws
 from autockpt.base.runtime import (
     LossFn,
     as_found,
+    loss_name,
     release_freed_heap,
     training_mode,
     warn_if_eval,
@@ -62,7 +63,7 @@ from autockpt.planning.cache import (
     remember_as_written,
 )
 from autockpt.planning.make_plan import breakdown, make_plan, rank_breakdown, with_measurement
-from autockpt.planning.nested import SubmodulePlanner, choose_submodule
+from autockpt.planning.nested import UnitsPlanner, find_units, unit_key
 from autockpt.planning.predict import Predictor
 from autockpt.planning.prepared import (
     Phases,
@@ -431,10 +432,10 @@ class Planner:
         self._phases = Phases(lambda what: self.progress(what))
         self.phase_seconds: dict[str, float] = self._phases.seconds
         """Wall seconds per planning phase (capture, profile, record, search, verify)."""
-        self.nested: SubmodulePlanner | None = None
-        """Set when the root's own forward cannot be captured: the plan is then made inside
-        its largest capturing submodule (autockpt/planning/nested.py), and :meth:`optimize`
-        and the predicted range are what this planner offers."""
+        self.nested: UnitsPlanner | None = None
+        """Set when the root's own forward cannot be captured: its submodule calls are then
+        planned as units (autockpt/planning/nested.py), and :meth:`optimize` and the
+        predicted range are what this planner offers."""
         with as_found(model, self.inputs), training_mode(model):
             device, self.precision, planning_peak = start(model, self.inputs)
             self._phases.start("capture", "capturing the graph")
@@ -509,42 +510,52 @@ class Planner:
         )
 
     def _plan_inside_submodule(self, error: TraceError, request: Request) -> None:
-        self._phases.stop()  # the failed capture; the nested planners time their own phases
-        self.progress("choosing a submodule to plan inside (the root's forward cannot be captured)")
+        """Plan the submodule calls of a root whose own code cannot be captured as units
+        (autockpt/planning/nested.py, NOTE [nested: units])."""
+        self._phases.stop()  # the failed capture; the units' planners time their own phases
+        self.progress("finding the submodule calls to plan (the root's forward cannot be captured)")
         started = time.perf_counter()
         leaves = request.leaf_modules
-        path, child_inputs = choose_submodule(self.model, self.inputs, leaves, error)
+        found = find_units(self.model, self.inputs, leaves, error)
         choose_seconds = time.perf_counter() - started
-        prefix = f"{path}."
-        inner = Planner(
-            self.model.get_submodule(path),
-            child_inputs,
-            scope="total",
-            leaf_modules=[name.removeprefix(prefix) for name in leaves if name.startswith(prefix)],
-            max_stages=request.max_stages,
-            progress=self.progress,
-            cache=self._cache,
-        )
-        self.nested = SubmodulePlanner(
+        planners: list[Planner] = []
+        by_key: dict[tuple, Planner] = {}
+        for unit in found.units:
+            module = self.model.get_submodule(unit.path)
+            key = unit_key(module, unit.inputs)
+            if key not in by_key:
+                prefix = f"{unit.path}."
+                by_key[key] = Planner(
+                    module,
+                    unit.inputs,
+                    scope="total",
+                    leaf_modules=[n.removeprefix(prefix) for n in leaves if n.startswith(prefix)],
+                    max_stages=request.max_stages,
+                    progress=self.progress,
+                    cache=self._cache,
+                )
+            planners.append(by_key[key])
+        self.nested = UnitsPlanner(
             self.model,
             self.inputs,
             error,
-            path,
-            child_inputs,
-            inner,
+            found,
+            planners,
             scope=self.scope,
+            leaf_modules=tuple(leaves),
+            loss=loss_name(self.loss_fn),
             choose_seconds=choose_seconds,
             progress=self.progress,
             measure_step=self._measure,
         )
-        for phases in (inner.phase_seconds, self.nested.phase_seconds):
+        for phases in (*(p.phase_seconds for p in by_key.values()), self.nested.phase_seconds):
             for phase, seconds in phases.items():
                 self._phases.add(phase, seconds)
         self.meta = False
         self.minimum_peak_bytes = self.nested.minimum_peak_bytes
         self.no_checkpoint_peak_bytes = self.nested.no_checkpoint_peak_bytes
         self.breakdown = self.nested.breakdown
-        self.planning_peak_bytes = inner.planning_peak_bytes
+        self.planning_peak_bytes = max(p.planning_peak_bytes or 0 for p in by_key.values()) or None
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for attributes never set: a planner that plans inside a submodule
@@ -554,9 +565,9 @@ class Planner:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         raise AttributeError(
             f"Planner.{name} is not available: the root's forward cannot be captured, so "
-            f"this planner plans inside submodule '{nested.path}'; use optimize(), "
-            "minimum_peak_bytes and no_checkpoint_peak_bytes, or planner.nested.inner for "
-            "that submodule alone"
+            f"this planner plans its submodule calls as units ({nested.path}); use "
+            "optimize(), minimum_peak_bytes and no_checkpoint_peak_bytes, or "
+            "planner.nested.planners for each unit's own planner"
         )
 
     # -- predictions (the Predictor's) ----------------------------------------------------
@@ -605,8 +616,7 @@ class Planner:
         """:attr:`as_written_peak_bytes`, or None where the model as written does not run on
         fake tensors (what a plan records)."""
         if self.nested is not None:
-            inner = self.nested.inner._as_written_or_none()
-            return None if inner is None else self.nested._scoped(inner)
+            return None  # the root's own code runs eagerly: its step is measured, not modelled
         if "_as_written_shift" not in self.__dict__:
             with (
                 as_found(self.model, self.inputs),
@@ -813,8 +823,10 @@ class Planner:
             mark_verified_compiled(inner)  # so tracing it raises no CompileWarning
         # Scalar draws at their worst case (every LayerDrop layer runs), as the profile and
         # the recorded step planned for (autockpt/base/rng.py): predicted and measured agree.
-        planned = self.__dict__.get("profile")  # None while planning inside a submodule
-        draws = planned is not None and planned.worst_case_draws > 0 and not compiled
+        # None when the root's code runs eagerly around units: its draws (a LayerDrop loop's)
+        # are at their worst case too, as the units were found (planning/nested.py)
+        planned = self.__dict__.get("profile")
+        draws = (planned is None or planned.worst_case_draws > 0) and not compiled
         worst_case = worst_case_draws() if draws else contextlib.nullcontext()
         with self.precision.entered(), training_mode(result), worst_case:
             measured = measure(

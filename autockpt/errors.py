@@ -65,17 +65,28 @@ class TraceError(AutockptError):
     """
 
     def __init__(
-        self, module: str, location: str, source_line: str, reason: str, in_root_code: bool = False
+        self,
+        module: str,
+        location: str,
+        source_line: str,
+        reason: str,
+        in_root_code: bool = False,
+        tried: tuple[str, ...] = (),
     ) -> None:
         self.module = module
         self.location = location
         self.source_line = source_line
         self.reason = reason
         self.in_root_code = in_root_code
+        self.tried = tried
+        """Where the root's code could not be captured: the first failure of each level of
+        submodule calls tried instead (autockpt/planning/nested.py), one line each."""
         where = f"module '{module}'" if module else "the root module"
+        also = "".join(f"\n  {line}" for line in tried)
         super().__init__(
             f"cannot capture {where} at {location}: `{source_line}` ({reason}). "
-            "Make the code shape-static (no Python branching on tensor values), or pass "
+            + (f"No submodule it calls captures either:{also}\n" if tried else "")
+            + "Make the code shape-static (no Python branching on tensor values), or pass "
             "leaf_modules=[...] naming the submodule so it is run as one opaque call."
         )
 

@@ -245,6 +245,12 @@ class Plan:
     """Qualified name of the submodule the graph fields describe, when the root's own forward
     could not be captured and runs eagerly around it (autockpt/planning/nested.py); None: the
     root."""
+    units: tuple[UnitPlan, ...] = ()
+    """Where the root's own forward cannot be captured and runs eagerly, the submodule calls
+    it plans on their own (autockpt/planning/nested.py, NOTE [nested: units]): each
+    checkpointed unit's own plan, for that unit's graph. Then the graph fields describe the
+    units together (``stages`` and ``segments`` named ``unit:node``); empty for a plan of
+    one captured graph (and in plans written before this field)."""
     as_written_peak_bytes: int | None = None
     """Predicted peak of one step of the model as written, without checkpointing: the
     baseline a user compares with. ``no_checkpoint_peak_bytes`` is the captured graph's,
@@ -388,6 +394,15 @@ class Plan:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit's plan inside a plan of units (``Plan.units``): the submodule at ``path``
+    (qualified from the root) checkpointed as ``plan`` says."""
+
+    path: str
+    plan: Plan
+
+
 def _check_semantics(plan: Plan) -> None:
     """What types alone cannot say: valid enumerations, segments inside the stage list."""
     if plan.scope not in SCOPES:
@@ -485,6 +500,19 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         if value is not None and not (isinstance(value, str) and value):
             raise TypeError(f"loss must be a non-empty string or null, got {value!r}")
         return value
+    if name == "units":
+        units = []
+        for item in _list(name, value):
+            if not isinstance(item, dict) or set(item) != {"path", "plan"}:
+                raise TypeError("each of units must be an object with path and plan")
+            if not (isinstance(item["path"], str) and item["path"]):
+                raise TypeError(f"a unit's path must be a non-empty string, got {item['path']!r}")
+            if not isinstance(item["plan"], dict):
+                raise TypeError("a unit's plan must be an object")
+            inner = _build(Plan, item["plan"])
+            _check_semantics(inner)
+            units.append(UnitPlan(item["path"], inner))
+        return tuple(units)
     if name == "submodule":
         if value is not None and not (isinstance(value, str) and value):
             raise TypeError(f"submodule must be a non-empty string or null, got {value!r}")

@@ -1317,10 +1317,10 @@ def _survey(
         planner = Planner(model, example, progress=stage.progress)
         low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
         budget = (low + high) // 2
-        # A root that cannot be captured may be planned inside its largest capturing
-        # submodule (autockpt/planning/nested.py): the graph facts are that submodule's.
+        # A root that cannot be captured has its submodule calls planned as units
+        # (autockpt/planning/nested.py): the graph facts are the first unit's.
         nested = planner.__dict__.get("nested")
-        inner = planner if nested is None else nested.inner
+        inner = planner if nested is None else nested.planners[0]
         row.update(
             capture=inner.capture.method,
             nested=None if nested is None else nested.path,

@@ -216,6 +216,16 @@ def timeline(
     return replayer(trace).timeline(segments, preserve_rng, saved)
 
 
+def held_after_forward(
+    trace: MemoryTrace,
+    segments: Sequence[tuple[int, int]],
+    preserve_rng: Sequence[bool] | None = None,
+    saved: Sequence[Sequence[int]] | None = None,
+) -> int:
+    """:meth:`Replayer.held_after_forward` of ``trace``'s replayer."""
+    return replayer(trace).held_after_forward(segments, preserve_rng, saved)
+
+
 _REPLAYERS: dict[int, Replayer] = {}
 
 
@@ -574,6 +584,24 @@ class Replayer:
             (phase, node, int(b))
             for (phase, node), b in zip(slot_phase, peaks.tolist(), strict=True)
         ]
+
+    def held_after_forward(
+        self,
+        segments: Sequence[tuple[int, int]],
+        preserve_rng: Sequence[bool] | None = None,
+        saved: Sequence[Sequence[int]] | None = None,
+    ) -> int:
+        """Bytes above the static part still live when the forward's last window ends
+        (before the loss): what the step keeps for its backward, its output included.
+        A unit of a larger step holds this while later units run
+        (:mod:`solvers.units`)."""
+        points = self._points(segments, preserve_rng, self.num_nodes, True, saved)
+        _, cur, slot_of, slot_phase, _ = self._sorted(points)
+        forward = [k for k, (phase, _) in enumerate(slot_phase) if phase in ("prologue", "forward")]
+        if not forward or len(cur) == 0:
+            return 0
+        last = int(np.searchsorted(slot_of, forward[-1], side="right")) - 1
+        return int(cur[last]) if last >= 0 else 0
 
     def recomputed_nodes(self, first: int, stop: int) -> np.ndarray:
         """Per node of the segment ``[first, stop)``, does its recompute run the node's

@@ -1,12 +1,16 @@
-"""Planning inside a submodule: a root whose own forward checks its inputs by value (neither
-fx nor export can capture it) is planned inside its body; the root's code runs eagerly."""
+"""Per-module plans (autockpt/planning/nested.py): a root whose own forward cannot be
+captured (an input check by value, a LayerDrop loop, routing on a value, a reused block)
+runs eagerly and the submodules it calls are planned as units under the one budget."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import warnings
 
+import jsonschema
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,8 +19,10 @@ from torch import nn
 import autockpt
 from autockpt import InfeasibleBudgetError, Plan, PlanMismatchError, TraceError
 from autockpt.api import Planner
+from autockpt.base.rng import worst_case_draws
 from autockpt.errors import GIB
 from tests.conftest import TINY_SPEECH, assert_same_step, train_step
+from tests.test_plan import SCHEMA
 
 VOCAB = 10
 
@@ -117,13 +123,15 @@ def test_the_users_model_is_untouched(found, planned):
 def test_plans_inside_the_body_and_trains_like_eager(planned):
     model, inputs, planner, fast = planned
     plan = fast.plan
-    assert planner.nested is not None and planner.nested.path == "body"
+    assert planner.nested is not None
+    assert [unit.path for unit in planner.nested.units] == ["body", "head"]
     error = planner.nested.error  # what fx and export said about the root's own code
     assert error.module == "" and error.in_root_code and "labels.max()" in error.source_line
-    assert isinstance(fast, Checked) and plan.submodule == "body"
+    assert isinstance(fast, Checked) and plan.submodule is None
+    assert [unit.path for unit in plan.units] == ["body"] and fast.body.plan == plan.units[0].plan
     assert plan.model == "Checked" and plan.segments
     assert plan.no_checkpoint_peak_bytes > plan.budget_bytes >= plan.predicted_peak_bytes
-    assert any("data-dependent control flow" in note and "'body'" in note for note in plan.notes)
+    assert any("cannot be captured" in note and "labels.max()" in note for note in plan.notes)
     assert list(fast.state_dict()) == list(model.state_dict())
     assert [id(p) for p in fast.parameters()] == [id(p) for p in model.parameters()]
     for seed in (0, 1, 2):
@@ -144,9 +152,10 @@ def test_plan_round_trips_and_apply_reproduces_it(planned):
     model, inputs, _, fast = planned
     plan = Plan.from_json(fast.plan.to_json())
     assert plan == fast.plan
+    jsonschema.validate(json.loads(plan.to_json()), SCHEMA)
     again = autockpt.apply(model, plan, inputs)
     assert isinstance(again, Checked) and again.plan == plan
-    assert [s.first_node for s in again.body.plan.segments] == [s.first_node for s in plan.segments]
+    assert again.body.plan == plan.units[0].plan
     assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(again, inputs))
     with pytest.raises(PlanMismatchError, match="example_inputs"):
         autockpt.apply(model, plan)
@@ -164,11 +173,23 @@ def test_segments_name_their_modules_from_the_root(planned):
 
 def test_plans_written_before_the_field_still_load(planned):
     data = json.loads(planned[3].plan.to_json())
-    data.pop("submodule")
-    assert Plan.from_dict(data).submodule is None
-    data["submodule"] = 3
-    with pytest.raises(autockpt.PlanFormatError, match="submodule"):
-        Plan.from_dict(data)
+    data.pop("units")
+    assert Plan.from_dict(data).units == ()
+    for bad in (3, [{"path": "body"}], [{"path": "", "plan": data}]):
+        data["units"] = bad
+        with pytest.raises(autockpt.PlanFormatError, match="unit"):
+            Plan.from_dict(data)
+
+
+def test_plans_of_one_submodule_still_apply(planned):
+    # plans written before units: the graph fields are the submodule's (field "submodule")
+    model, inputs, _, fast = planned
+    inner = fast.plan.units[0].plan
+    old = dataclasses.replace(inner, model="Checked", submodule="body")
+    old = dataclasses.replace(old, input_signature=fast.plan.input_signature)
+    again = autockpt.apply(model, old, inputs)
+    assert isinstance(again, Checked) and again.body.plan.segments == inner.segments
+    assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(again, inputs))
 
 
 def test_budget_below_the_minimum_states_an_achievable_one(planned):
@@ -181,13 +202,13 @@ def test_budget_below_the_minimum_states_an_achievable_one(planned):
     assert autockpt.measure(fits, inputs, repeat=0, warmup=0).peak_bytes <= fits.plan.budget_bytes
 
 
-def test_per_plan_queries_name_the_submodule(planned):
+def test_per_plan_queries_name_the_units(planned):
     planner = planned[2]
-    with pytest.raises(AttributeError, match="inside submodule 'body'"):
+    with pytest.raises(AttributeError, match="as units \\('body', 'head'\\)"):
         planner.solve(planner.minimum_peak_bytes)
 
 
-def test_no_capturable_submodule_raises_the_root_error():
+def test_no_capturable_submodule_raises_each_levels_first_failure():
     class Flat(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -198,13 +219,179 @@ def test_no_capturable_submodule_raises_the_root_error():
                 return x @ self.weight
             return x
 
-    with pytest.raises(TraceError, match="x.sum"):
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Flat()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.max() > 100:
+                raise ValueError("too large")
+            return self.inner(x)
+
+    with pytest.raises(TraceError, match="x.sum") as caught:
         autockpt.optimize(Flat(), torch.randn(2, 8), budget_gb=1.0)
+    assert caught.value.tried == ()
+    with pytest.raises(TraceError, match="x.max") as caught:
+        autockpt.optimize(Outer(), torch.randn(2, 8), budget_gb=1.0)
+    assert len(caught.value.tried) == 1 and "'inner'" in caught.value.tried[0]
+    assert "x.sum" in caught.value.tried[0] and "x.sum" in str(caught.value)
+
+
+class LayerDropEncoder(nn.Module):
+    """The Wav2Vec2/HuBERT encoder pattern: the root's loop draws and skips layers."""
+
+    def __init__(self, dim: int = 32, depth: int = 6, p: float = 0.5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            if not (self.training and torch.rand([]) < self.p):
+                h = layer(h)
+        return self.norm(h)
+
+
+class CheckedLM(nn.Module):
+    """The Wav2Vec2ForCTC pattern: a label check by value before the blocks and the loss."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.max() >= self.vocab:
+            raise ValueError("labels must be below the vocabulary size")
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class Routed(nn.Module):
+    """Routing on a value between layers: one of two experts runs (planned: either)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.first = Block(dim)
+        self.experts = nn.ModuleList(Block(dim) for _ in range(2))
+        self.last = Block(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(self.embed(x))
+        h = self.experts[int(h.mean() > 0)](h)
+        return self.last(h)
+
+
+class Reused(nn.Module):
+    """A block called after every layer (shared weights): not a unit, it runs as written."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.shared = Block(dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if h.abs().max() > 1e4:  # a value check: the root cannot be captured
+            raise ValueError("diverged")
+        for layer in self.layers:
+            h = self.shared(layer(h))
+        return h
+
+
+class _ByHand(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def _per_block_by_hand(model: nn.Module, container: str) -> nn.Module:
+    """``model`` with each block of ``container`` checkpointed whole, as users write it."""
+    hand = copy.deepcopy(model)
+    blocks = hand.get_submodule(container)
+    for name, block in list(blocks.named_children()):
+        blocks._modules[name] = _ByHand(block)
+    return hand
+
+
+def _measured(model: nn.Module, inputs) -> int:
+    with worst_case_draws():  # every LayerDrop layer runs, as planned
+        return autockpt.measure(model, inputs, repeat=0, warmup=0).peak_bytes
+
+
+PATTERNS = {
+    "layerdrop": (LayerDropEncoder, lambda: {"x": torch.randn(4, 64, 8)}, "layers"),
+    "label-check": (
+        CheckedLM,
+        lambda: {"idx": torch.randint(0, 64, (4, 64)), "labels": torch.randint(0, 64, (4, 64))},
+        "blocks",
+    ),
+    "routing": (Routed, lambda: {"x": torch.randn(4, 64, 8)}, "experts"),
+    "reused": (Reused, lambda: {"x": torch.randn(4, 64, 8)}, "layers"),
+}
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_units_train_like_eager_within_budget(pattern):
+    cls, make_inputs, container = PATTERNS[pattern]
+    torch.manual_seed(0)
+    model, inputs = cls().train(), make_inputs()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, inputs)
+        low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+        assert low < high
+        fast = planner.optimize(budget_gb=((low + high) // 2) / GIB)
+        lean = planner.optimize(budget_gb=low / GIB)  # the stated minimum is achievable
+    units = [unit.path for unit in planner.nested.units]
+    blocks = [f"{container}.{name}" for name, _ in model.get_submodule(container).named_children()]
+    assert set(blocks) <= set(units)  # every block is a unit (LayerDrop: the worst case)
+    assert type(fast) is cls and fast.plan.units
+    for seed in (0, 1, 2):
+        assert_same_step(
+            train_step(copy.deepcopy(model), inputs, seed=seed), train_step(fast, inputs, seed=seed)
+        )
+    for result in (fast, lean):
+        assert _measured(result, inputs) <= result.plan.budget_bytes
+    # at least as lean as checkpointing each block by hand
+    assert low <= _measured(_per_block_by_hand(model, container), inputs)
+    for name, value in model.state_dict().items():  # planning left the model as found
+        assert torch.equal(value, reference.state_dict()[name]), name
+    if pattern == "reused":
+        assert "shared" not in units
+        assert any("'shared' is called 3 times" in note for note in fast.plan.notes)
+
+
+def test_the_models_own_checks_still_run():
+    cls, make_inputs, _ = PATTERNS["label-check"]
+    torch.manual_seed(0)
+    model, inputs = cls().train(), make_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, inputs)
+        fast = planner.optimize(budget_gb=planner.minimum_peak_bytes / GIB)
+    with pytest.raises(ValueError, match="vocabulary"):
+        fast(inputs["idx"], torch.full_like(inputs["labels"], 64))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, body", [("Wav2Vec2", "wav2vec2"), ("Hubert", "hubert")])
-def test_ctc_models_are_planned_inside_their_body(name, body):
+def test_ctc_models_are_planned_across_their_encoder_layers(name, body):
+    # their defaults: LayerDrop 0.1 (a draw in the encoder's loop) and SpecAugment (numpy)
     transformers = pytest.importorskip("transformers")
     from autockpt_zoo.hf import quiet_transformers
 
@@ -212,22 +399,29 @@ def test_ctc_models_are_planned_inside_their_body(name, body):
         config = getattr(transformers, f"{name}Config")(
             **TINY_SPEECH,
             vocab_size=12,
-            layerdrop=0.0,
-            mask_time_prob=0.0,
             do_stable_layer_norm=True,
             feat_extract_norm="layer",
             pad_token_id=0,
         )
+        assert config.layerdrop > 0 and config.mask_time_prob > 0
         torch.manual_seed(0)
         model = getattr(transformers, f"{name}ForCTC")(config).train()
-    inputs = {"input_values": torch.randn(2, 1600), "labels": torch.randint(1, 12, (2, 20))}
+    inputs = {"input_values": torch.randn(2, 4000), "labels": torch.randint(1, 12, (2, 20))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planner = Planner(model, inputs)
         budget = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) // 2
         fast = planner.optimize(budget_gb=budget / GIB)
-    assert type(fast) is type(model) and fast.plan.submodule == body and fast.plan.segments
-    assert fast.get_submodule(body) is not model.get_submodule(body)
-    assert_same_step(train_step(copy.deepcopy(model), inputs), train_step(fast, inputs))
-    measured = autockpt.measure(fast, inputs, repeat=0, warmup=0)
-    assert measured.peak_bytes <= fast.plan.budget_bytes
+    layers = [f"{body}.encoder.layers.{k}" for k in range(config.num_hidden_layers)]
+    assert set(layers) <= {unit.path for unit in planner.nested.units}
+    assert type(fast) is type(model) and fast.plan.units
+    # at least as lean as Hugging Face's own checkpointing of every encoder layer
+    hand = copy.deepcopy(model)
+    getattr(hand, "activation_checkpointing_enable", hand.gradient_checkpointing_enable)()
+    assert planner.minimum_peak_bytes <= _measured(hand, inputs)
+    assert _measured(fast, inputs) <= fast.plan.budget_bytes
+    for seed in (0, 1):
+        np.random.seed(seed)  # SpecAugment draws its masks with numpy
+        expected = train_step(copy.deepcopy(model), inputs, seed=seed)
+        np.random.seed(seed)
+        assert_same_step(expected, train_step(fast, inputs, seed=seed))

@@ -38,7 +38,14 @@ from autockpt.rewrite.result import (
     planned_inputs,
 )
 from autockpt.rewrite.segment import SegmentSpec
-from autockpt.rewrite.submodule import replace_submodule, submodule_inputs
+from autockpt.rewrite.submodule import (
+    Call,
+    record_calls,
+    replace_submodule,
+    replace_submodules,
+    sibling_path,
+    submodule_inputs,
+)
 
 
 def check_model(model: Any) -> None:
@@ -98,6 +105,8 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autockpt.Plan, got {type(plan).__name__}")
     inputs = Inputs.of(example_inputs).as_called(model) if example_inputs is not None else None
+    if plan.units:  # the root runs eagerly around planned units (planning/nested.py)
+        return hand_back(apply_units(model, plan, inputs))
     if plan.submodule is not None:  # the root runs eagerly around a planned submodule
         return hand_back(apply_inside(model, plan, inputs))
     missing = sorted(set(plan.leaf_modules) - {name for name, _ in model.named_modules()})
@@ -260,3 +269,46 @@ def apply_inside(model: nn.Module, plan: Plan, inputs: Inputs | None) -> nn.Modu
     result = replace_submodule(model, path, apply_plan(child, inner, found))
     result.plan = plan
     return result
+
+
+def apply_units(model: nn.Module, plan: Plan, inputs: Inputs | None) -> nn.Module:
+    """Re-apply a plan of units (``plan.units``): each unit is captured again with the
+    inputs one recorded run of the root's forward gives it, and its own plan applied."""
+    if inputs is None:
+        raise PlanMismatchError(
+            "this plan checkpoints submodule calls of a root whose forward cannot be captured; "
+            "their inputs come from running the root's forward: call "
+            "autockpt.apply(model, plan, example_inputs)"
+        )
+    if inputs.signature() != plan.input_signature:
+        raise PlanMismatchError(
+            f"plan was made for inputs {plan.input_signature}, got {inputs.signature()}"
+        )
+    paths = {unit.path for unit in plan.units}
+    names = {name for name, _ in model.named_modules()}
+    missing = sorted(paths - names)
+    if missing:
+        raise PlanMismatchError(
+            f"the plan checkpoints submodules this {type(model).__name__} lacks "
+            f"({', '.join(missing[:3])}): it was made for {plan.model}"
+        )
+    calls = record_calls(model, inputs, lambda path, caller: path in paths)
+    replacements = {}
+    for unit in plan.units:
+        call = calls.get(unit.path)
+        found = call.inputs if call is not None else sibling_inputs(model, unit.path, calls)
+        if found is None:
+            raise PlanMismatchError(
+                f"the plan checkpoints '{unit.path}', which this {type(model).__name__}'s "
+                "forward never calls"
+            )
+        replacements[unit.path] = apply_plan(model.get_submodule(unit.path), unit.plan, found)
+    result = replace_submodules(model, replacements)
+    result.plan = plan
+    return result
+
+
+def sibling_inputs(model: nn.Module, path: str, calls: dict[str, Call]) -> Inputs | None:
+    """The recorded inputs of the nearest called sibling of ``path``'s class."""
+    source = sibling_path(model, path, lambda p: p in calls and calls[p].inputs is not None)
+    return None if source is None else calls[source].inputs

@@ -5,11 +5,15 @@ submodule (``autockpt/planning/nested.py``) and applying such a plan
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.base.inputs import Inputs
+from autockpt.base.rng import worst_case_draws
 from autockpt.base.runtime import as_found
 from autockpt.rewrite.result import shallow_copy
 
@@ -58,16 +62,120 @@ def submodule_inputs(model: nn.Module, path: str, inputs: Inputs) -> Inputs | No
 
 
 def replace_submodule(model: nn.Module, path: str, replacement: nn.Module) -> nn.Module:
-    """A new instance of ``model``'s class sharing everything with it but the module at
-    ``path``, which is ``replacement``. The root and each module on the way to ``path`` are
+    """:func:`replace_submodules` of one module."""
+    return replace_submodules(model, {path: replacement})
+
+
+def replace_submodules(model: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:
+    """A new instance of ``model``'s class sharing everything with it but the modules at the
+    given paths, which are replaced. The root and each module on the way to a path are
     shallow copies with their own registries (so the user's tree is not changed); their
     parameters, buffers and other children are the user's own objects."""
     root = shallow_copy(model)
-    parent = root
-    *ancestors, name = path.split(".")
-    for part in ancestors:
-        clone = shallow_copy(parent._modules[part])
-        parent._modules[part] = clone
-        parent = clone
-    parent._modules[name] = replacement
+    copied: dict[str, nn.Module] = {"": root}
+    for path, replacement in replacements.items():
+        parent, prefix = root, ""
+        *ancestors, name = path.split(".")
+        for part in ancestors:
+            prefix = f"{prefix}.{part}" if prefix else part
+            if prefix not in copied:
+                copied[prefix] = shallow_copy(parent._modules[part])
+                parent._modules[part] = copied[prefix]
+            parent = copied[prefix]
+        parent._modules[name] = replacement
     return root
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One module's calls in a run of the root's forward (:func:`record_calls`)."""
+
+    path: str
+    caller: str
+    """The innermost module running when it was called ("" for the root's own code)."""
+    order: int
+    """Its first call's place among all module calls of the run."""
+    count: int
+    inputs: Inputs | None
+    """Its first call's ``(args, kwargs)`` (detached, ``requires_grad`` as in the step);
+    recorded only where :func:`record_calls` was asked to."""
+
+
+def record_calls(
+    model: nn.Module, inputs: Inputs, wanted: Callable[[str, str], bool]
+) -> dict[str, Call]:
+    """Every submodule call of one run of the root's forward, by qualified name, with the
+    inputs of the first call of each module for which ``wanted(path, caller)`` is true
+    (``caller``: the innermost module running, "" for the root's own code).
+
+    The run keeps nothing for a backward (saved tensors are dropped as autograd packs
+    them), so it holds one forward's temporaries and the recorded inputs, never the
+    un-checkpointed step's activations; every ``requires_grad`` is what the real step
+    gives. Scalar draws run at their worst case (every LayerDrop layer is called), and the
+    model, the inputs and every random generator are left as found."""
+    names = {id(m): name for name, m in model.named_modules()}
+    stack: list[str] = [""]
+    first: dict[str, tuple[str, int, Inputs | None]] = {}
+    counts: dict[str, int] = {}
+
+    def detached(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().requires_grad_(t.requires_grad)
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        path = names[id(module)]
+        caller = stack[-1]
+        counts[path] = counts.get(path, 0) + 1
+        if path not in first:
+            recorded = None
+            if wanted(path, caller):
+                recorded = Inputs(
+                    pytree.tree_map_only(torch.Tensor, detached, tuple(args)),
+                    pytree.tree_map_only(torch.Tensor, detached, dict(kwargs)),
+                )
+            first[path] = (caller, len(first), recorded)
+        stack.append(path)
+
+    def after(module: nn.Module, args: tuple, output: object) -> None:
+        stack.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True, prepend=True))
+            handles.append(module.register_forward_hook(after))
+    try:
+        with (
+            as_found(model, inputs),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: None, _unpack_dropped),
+            worst_case_draws(),
+        ):
+            model(*inputs.args, **inputs.kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        path: Call(path, caller, order, counts[path], recorded)
+        for path, (caller, order, recorded) in first.items()
+    }
+
+
+def _unpack_dropped(_: object) -> torch.Tensor:
+    raise RuntimeError("record_calls runs no backward")
+
+
+def sibling_path(model: nn.Module, path: str, usable: Callable[[str], bool]) -> str | None:
+    """The nearest sibling of ``path`` in its parent (before it first, then after) that is
+    of its class and ``usable``: whose recorded call stands in for a call the recorded run
+    did not make (a routed expert, a skipped layer)."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    names = list(parent._modules)
+    own = type(parent._modules[name])
+    here = names.index(name)
+    for k in sorted(range(len(names)), key=lambda k: (abs(k - here), k > here)):
+        if k == here or type(parent._modules[names[k]]) is not own:
+            continue
+        sibling = f"{parent_path}.{names[k]}" if parent_path else names[k]
+        if usable(sibling):
+            return sibling
+    return None
