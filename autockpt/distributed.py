@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import pickle
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -99,6 +100,10 @@ def wrap(model: nn.Module, mode: str, units: Iterable[str] = (), **engine_kwargs
     raise ShardingError(f"unknown sharding mode {mode!r}; use 'ddp' or 'fsdp'")
 
 
+_RECENT = 24
+"""Most recent live blocks searched for a drop that two or three frees explain."""
+
+
 class _AllocationLedger:
     """Live CPU allocations by address, replayed from profiler sessions in time order.
 
@@ -156,14 +161,34 @@ class _AllocationLedger:
             self.current += change
         elif change < 0:
             size = -change
-            for ptr in reversed(self.live):  # most recent first: frees follow soon
-                if self.live[ptr] == size:
-                    del self.live[ptr]
-                    self.current -= size
-                    return
-            if self.elsewhere >= size:
+            freed = self._blocks_summing_to(size, most=1)
+            if not freed and self.elsewhere >= size:  # another thread's own bytes
                 self.elsewhere -= size
                 self.current -= size
+                return
+            freed = freed or self._blocks_summing_to(size, most=3)
+            for ptr in freed:
+                del self.live[ptr]
+            if freed:
+                self.current -= size
+
+    def _blocks_summing_to(self, size: int, most: int) -> tuple[int, ...]:
+        """Addresses of live blocks whose sizes sum exactly to ``size``: one block (most
+        recent first: frees follow soon), else up to ``most`` of the most recent
+        :data:`_RECENT` blocks (a drop is first taken as another thread's own bytes). A worker thread may free several blocks between two watched
+        events (a bucket's and its copy's), and one drop then covers them all: matching a
+        single block only left such frees counted, by timing (an over-count of a whole
+        bucket on a rank, seen now and then on a loaded machine). Empty: no exact match."""
+        recent = list(reversed(self.live))
+        for ptr in recent:
+            if self.live[ptr] == size:
+                return (ptr,)
+        window = recent[:_RECENT]
+        for count in range(2, most + 1):
+            for combo in itertools.combinations(window, count):
+                if sum(self.live[ptr] for ptr in combo) == size:
+                    return combo
+        return ()
 
 
 @contextmanager

@@ -246,8 +246,18 @@ def test_allocation_ledger_reads_frees_on_other_threads_from_the_allocator_total
     assert ledger.apply([(0x40, 5, 100)]) == 100
     assert ledger.apply([(0x40, -5, 80)]) == 100
     assert ledger.current == 80
-    # A drop matching no block and no other thread's bytes stays counted (upper bound).
-    assert ledger.apply([(0x50, 1, 1)]) == 81
+    # A drop matching no block (nor two or three of them: 50, 10 and 20 are live) and no
+    # other thread's bytes stays counted (upper bound).
+    assert ledger.apply([(0x50, 1, 5)]) == 81
+
+
+def test_allocation_ledger_reads_several_frees_on_other_threads_from_one_drop():
+    ledger = _AllocationLedger()
+    # 0x10 (100) and 0x20 (50) are both freed on another thread between two watched events:
+    # one drop of 150 explains both (a bucket and its copy), timing decides how many fall
+    # between two events.
+    assert ledger.apply([(0x10, 100, 100), (0x20, 50, 150), (0x30, 30, 180), (0x40, 1, 31)]) == 180
+    assert ledger.current == 31 and set(ledger.live) == {0x30, 0x40}
 
 
 def test_evaluation_after_fully_shard_uses_the_trained_root_parameters(one_rank_group):
