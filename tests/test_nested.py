@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import random
 import warnings
 
 import jsonschema
@@ -386,6 +387,94 @@ def test_the_models_own_checks_still_run():
         fast = planner.optimize(budget_gb=planner.minimum_peak_bytes / GIB)
     with pytest.raises(ValueError, match="vocabulary"):
         fast(inputs["idx"], torch.full_like(inputs["labels"], 64))
+
+
+class PythonLayerDrop(nn.Module):
+    """LayerDrop drawn with Python's ``random`` (x-transformers' pattern): no worst case
+    can be forced, so a recorded run may skip layers a later step runs."""
+
+    def __init__(self, dim: int = 32, depth: int = 4, p: float = 0.5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            if self.training and random.random() < self.p:
+                continue
+            h = layer(h)
+        return h
+
+
+def test_layers_skipped_by_python_draws_are_planned_for_the_worst_case():
+    torch.manual_seed(0)
+    model, x = PythonLayerDrop().train(), torch.randn(4, 64, 8)
+    random.seed(3)  # this run skips some layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, x)
+        low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+        fast = planner.optimize(budget_gb=((low + high) // 2) / GIB)
+    units = {unit.path for unit in planner.nested.units}
+    assert {f"layers.{k}" for k in range(4)} <= units
+    assert planner.nested.python_draws == ("random",)
+    assert any("random's generator" in note for note in fast.plan.notes)
+    for seed in range(6):  # whichever layers a step runs, it fits
+        random.seed(seed)
+        peak = autockpt.measure(fast, x, repeat=0, warmup=0).peak_bytes
+        assert peak <= fast.plan.budget_bytes
+        random.seed(seed)
+        expected = train_step(copy.deepcopy(model), x, seed=seed)
+        random.seed(seed)
+        assert_same_step(expected, train_step(fast, x, seed=seed))
+
+
+class _Stats:
+    """A plain object a block returns beside its output (not a tensor container)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+
+class WithStats(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.block = Block(dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, _Stats]:
+        return self.block(x), _Stats(x.detach().abs().mean())
+
+
+class ReadsStats(nn.Module):
+    """The root reads an object its layers return: a unit must hand it back whole."""
+
+    def __init__(self, dim: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.layers = nn.ModuleList(WithStats(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h, stats = layer(h)
+            if stats.scale > 1e4:
+                raise ValueError("diverged")
+        return h
+
+
+def test_a_layer_returning_objects_the_root_reads_is_descended_into():
+    torch.manual_seed(0)
+    model, x = ReadsStats().train(), torch.randn(4, 64, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, x)
+        fast = planner.optimize(budget_gb=planner.minimum_peak_bytes / GIB)
+    units = {unit.path for unit in planner.nested.units}
+    assert {f"layers.{k}.block" for k in range(3)} <= units and "layers.0" not in units
+    assert autockpt.measure(fast, x, repeat=0, warmup=0).peak_bytes <= fast.plan.budget_bytes
+    assert_same_step(train_step(copy.deepcopy(model), x), train_step(fast, x))
 
 
 @pytest.mark.slow

@@ -39,6 +39,11 @@ from autockpt.capture.watch import (
 )
 from autockpt.errors import PlanMismatchError, TraceError
 
+DROPPED_OUTPUTS = "outputs that are not tensors or containers of them are returned as None"
+"""How a capture's note on dropped outputs begins: a root's step never reads them (its loss is
+computed from tensors), but the root's own code may read a submodule's (planning/nested.py
+does not plan such a submodule as a unit)."""
+
 
 def _capture_export(
     model: nn.Module,
@@ -85,7 +90,7 @@ def _capture_export(
         warnings.warn(_CHECKPOINT_WARNING, stacklevel=3)
     if dropped:
         notes.append(
-            "outputs that are not tensors or containers of them are returned as None by the "
+            f"{DROPPED_OUTPUTS} by the "
             f"optimized model: {', '.join(sorted(set(dropped)))} (a training step does not "
             "use them; turn them off in the model, e.g. use_cache=False, to silence this)"
         )

@@ -47,6 +47,7 @@ from typing import Any
 from torch import nn
 
 from autockpt.base.inputs import Inputs, given_input_names
+from autockpt.capture.export import DROPPED_OUTPUTS
 from autockpt.capture.front import capture
 from autockpt.errors import AutockptError, InfeasibleBudgetError, TraceError
 from autockpt.measure import Measurement, static_bytes
@@ -90,6 +91,10 @@ class Units:
 
     units: tuple[Unit, ...]
     notes: tuple[str, ...]
+    python_draws: tuple[str, ...] = ()
+    """Generators other than torch's the root's run drew from (``random``, ``numpy``):
+    their draws cannot be put at their worst case, so measured steps may skip what a later
+    step runs (NOTE [nested: units], step 4)."""
 
 
 def find_units(
@@ -104,7 +109,8 @@ def find_units(
     failed_levels: dict[str, str] = {}
     for _ in range(_MAX_DEPTH):
         current = frozenset(levels)
-        calls = record_calls(model, inputs, lambda path, caller, at=current: caller in at)
+        recorded = record_calls(model, inputs, lambda path, caller, at=current: caller in at)
+        calls = recorded.calls
         levels = set()
         for call in sorted(calls.values(), key=lambda c: c.order):
             if call.caller not in current or call.inputs is None:
@@ -145,34 +151,36 @@ def find_units(
             tried=tuple(failed_levels.values()),
         )
     units = _with_siblings(model, found, calls)
-    return Units(units, tuple(notes))
+    return Units(units, tuple(notes), recorded.python_draws)
 
 
 def _with_siblings(
     model: nn.Module, found: dict[str, tuple[int, Inputs]], calls: dict[str, Call]
 ) -> tuple[Unit, ...]:
-    """The units in call order, with the same-class siblings of each unit held in a
-    container that the run never called (routing that picked another expert, a layer
-    skipped by a draw the worst case does not reach): each is planned for the worst case
-    that it runs too, with the inputs of its nearest called sibling, and placed after it."""
-    keyed: dict[str, tuple[tuple[int, int], Unit]] = {}
-    for path, (order, unit_inputs) in found.items():
-        keyed[path] = ((order, 0), Unit(path, unit_inputs))
-    for path in list(found):
-        parent_path, _, _ = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        if not isinstance(parent, _CONTAINERS):
+    """The units in call order, with each module the run never called that holds the same
+    place as a unit in another child of a container above it (an expert the router did not
+    pick, a layer a Python draw skipped): planned for the worst case that it runs, with
+    that unit's inputs, and placed after it."""
+    keyed: dict[str, tuple[tuple[int, int], Unit]] = {
+        path: ((order, 0), Unit(path, unit_inputs)) for path, (order, unit_inputs) in found.items()
+    }
+    classes = {type(model.get_submodule(path)) for path in found}
+    registered = {path: k for k, (path, _) in enumerate(model.named_modules())}
+    for path, module in model.named_modules():
+        if not path or path in calls or type(module) not in classes:
             continue
-        own = type(model.get_submodule(path))
-        for k, name in enumerate(parent._modules):
-            sibling = f"{parent_path}.{name}" if parent_path else name
-            if sibling in calls or sibling in keyed or type(parent._modules[name]) is not own:
-                continue
-            source = sibling_path(model, sibling, lambda p: p in found)
-            if source is None:
-                continue
-            order = found[source][0]
-            keyed[sibling] = ((order, k + 1), Unit(sibling, found[source][1], called=False))
+        if any(path.startswith(f"{unit}.") for unit in keyed):
+            continue  # inside a unit: planned with it
+        source = sibling_path(model, path, lambda p: p in found)
+        if source is None:
+            continue
+        # where it would run: after the called unit registered last before it
+        before = [p for p in found if registered[p] < registered[path]]
+        anchor = max(before, key=registered.__getitem__) if before else source
+        keyed[path] = (
+            (found[anchor][0], registered[path] + 1),
+            Unit(path, found[source][1], called=False),
+        )
     return tuple(unit for _, unit in sorted(keyed.values(), key=lambda item: item[0]))
 
 
@@ -265,10 +273,20 @@ class UnitsPlanner:
         self.leanest_measured_bytes = measured[self.leanest_choice]
         # what the units' replays do not see (the root's own activations), learnt from the
         # leanest choice's measured step (negative where the replays over-count)
-        self.unseen_bytes = self.leanest_measured_bytes - self._predicted_total(self.leanest_choice)
-        self.minimum_peak_bytes = self._scoped(self.leanest_measured_bytes)
+        unseen = self.leanest_measured_bytes - self._predicted_total(self.leanest_choice)
+        self.python_draws = found.python_draws
+        if self.python_draws:
+            # The measured step drew from Python's or NumPy's generator, which cannot be put
+            # at its worst case: it may have skipped a layer a later step runs. Only the
+            # replays' worst case (every unit runs) is trusted below the measurement.
+            unseen = max(0, unseen)
+        self.unseen_bytes = unseen
+        self.minimum_peak_bytes = self._scoped(
+            max(self.leanest_measured_bytes, self._predicted_total(self.leanest_choice))
+        )
         """The leanest measured choice's whole step: achievable by construction, and at most
-        checkpointing each repeated block (or every unit) by hand."""
+        checkpointing each repeated block (or every unit) by hand (with Python or NumPy
+        draws in the root, at least its worst-case prediction)."""
         self.no_checkpoint_peak_bytes = self._scoped(self._predicted_total(none))
         self.per_block_peak_bytes = self._scoped(measured[per_block])
         """Measured peak of checkpointing each repeated block whole, the rest as written."""
@@ -427,6 +445,17 @@ class UnitsPlanner:
             f"plus {self.unseen_bytes} bytes the root's own code adds (measured once on the "
             "leanest choice's step; negative: the replays over-count)",
             "predicted seconds are the units' (the root's own code is not timed)",
+            *(
+                [
+                    "the root's code draws from "
+                    + " and ".join(self.python_draws)
+                    + "'s generator, which cannot be put at its worst case: a unit it skips in "
+                    "one step may run in another, so every unit is planned as running and no "
+                    "measured step lowers a prediction"
+                ]
+                if self.python_draws
+                else []
+            ),
         )
         return Plan(
             model=type(self.model).__name__,
@@ -531,12 +560,15 @@ def _capture_error(
     prefix = f"{path}."
     leaves = [name.removeprefix(prefix) for name in leaf_modules if name.startswith(prefix)]
     try:  # a result of optimize is planned from the user's module it was made from
-        capture(plain_module(model.get_submodule(path)), inputs, leaf_modules=leaves)
+        captured = capture(plain_module(model.get_submodule(path)), inputs, leaf_modules=leaves)
     except TraceError as error:
         inside = f"{path}.{error.module}" if error.module else path
         return f"'{inside}' at {error.location}: `{error.source_line}` ({error.reason})"
     except (AutockptError, TypeError) as error:
         return f"'{path}': {str(error).splitlines()[0]}"
+    dropped = [note for note in captured.warnings if note.startswith(DROPPED_OUTPUTS)]
+    if dropped:  # the root's own code reads its outputs: they must come back whole
+        return f"'{path}': its {dropped[0]}"
     return None
 
 

@@ -292,7 +292,7 @@ def apply_units(model: nn.Module, plan: Plan, inputs: Inputs | None) -> nn.Modul
             f"the plan checkpoints submodules this {type(model).__name__} lacks "
             f"({', '.join(missing[:3])}): it was made for {plan.model}"
         )
-    calls = record_calls(model, inputs, lambda path, caller: path in paths)
+    calls = record_calls(model, inputs, lambda path, caller: path in paths).calls
     replacements = {}
     for unit in plan.units:
         call = calls.get(unit.path)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.base.inputs import Inputs
-from autockpt.base.rng import worst_case_draws
+from autockpt.base.rng import RngStates, worst_case_draws
 from autockpt.base.runtime import as_found
 from autockpt.rewrite.result import shallow_copy
 
@@ -101,9 +101,19 @@ class Call:
     recorded only where :func:`record_calls` was asked to."""
 
 
-def record_calls(
-    model: nn.Module, inputs: Inputs, wanted: Callable[[str, str], bool]
-) -> dict[str, Call]:
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """One recorded run of the root's forward (:func:`record_calls`)."""
+
+    calls: dict[str, Call]
+    """Every submodule called, by qualified name."""
+    python_draws: tuple[str, ...]
+    """The global generators other than torch's that the run drew from (``"random"``,
+    ``"numpy"``): their draws are not at their worst case, so a layer skipped by
+    ``random() < p`` may not have been called (and may be in another step)."""
+
+
+def record_calls(model: nn.Module, inputs: Inputs, wanted: Callable[[str, str], bool]) -> Recorded:
     """Every submodule call of one run of the root's forward, by qualified name, with the
     inputs of the first call of each module for which ``wanted(path, caller)`` is true
     (``caller``: the innermost module running, "" for the root's own code).
@@ -149,14 +159,17 @@ def record_calls(
             torch.autograd.graph.saved_tensors_hooks(lambda t: None, _unpack_dropped),
             worst_case_draws(),
         ):
+            before = RngStates.now()
             model(*inputs.args, **inputs.kwargs)
+            moved = tuple(g for g in before.changed() if not g.startswith("torch"))
     finally:
         for handle in handles:
             handle.remove()
-    return {
+    calls = {
         path: Call(path, caller, order, counts[path], recorded)
         for path, (caller, order, recorded) in first.items()
     }
+    return Recorded(calls, moved)
 
 
 def _unpack_dropped(_: object) -> torch.Tensor:
@@ -164,18 +177,27 @@ def _unpack_dropped(_: object) -> torch.Tensor:
 
 
 def sibling_path(model: nn.Module, path: str, usable: Callable[[str], bool]) -> str | None:
-    """The nearest sibling of ``path`` in its parent (before it first, then after) that is
-    of its class and ``usable``: whose recorded call stands in for a call the recorded run
-    did not make (a routed expert, a skipped layer)."""
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    names = list(parent._modules)
-    own = type(parent._modules[name])
-    here = names.index(name)
-    for k in sorted(range(len(names)), key=lambda k: (abs(k - here), k > here)):
-        if k == here or type(parent._modules[names[k]]) is not own:
+    """The nearest module that stands in for ``path`` in a container above it: the same
+    place (the same names below) in another child of that container, of the same class as
+    ``path`` and ``usable`` (``layers.3.attn`` for ``layers.5.attn``; nearest child first,
+    before it first, then the next container up). Its recorded call stands in for a call
+    the recorded run did not make: a routed expert, a layer skipped by a draw."""
+    parts = path.split(".")
+    own = type(model.get_submodule(path))
+    for depth in range(len(parts) - 1, -1, -1):
+        container = model.get_submodule(".".join(parts[:depth]))
+        if not isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             continue
-        sibling = f"{parent_path}.{names[k]}" if parent_path else names[k]
-        if usable(sibling):
-            return sibling
+        names = list(container._modules)
+        here = names.index(parts[depth])
+        for k in sorted(range(len(names)), key=lambda k: (abs(k - here), k > here)):
+            if k == here:
+                continue
+            candidate = ".".join([*parts[:depth], names[k], *parts[depth + 1 :]])
+            try:
+                module = model.get_submodule(candidate)
+            except AttributeError:
+                continue
+            if type(module) is own and usable(candidate):
+                return candidate
     return None
