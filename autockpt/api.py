@@ -36,6 +36,7 @@ from autockpt.base.runtime import (
     loss_name,
     release_freed_heap,
     training_mode,
+    unit_loss,
     warn_if_eval,
 )
 from autockpt.capture.captured import Capture
@@ -529,6 +530,7 @@ class Planner:
                     module,
                     unit.inputs,
                     scope="total",
+                    loss_fn=unit_loss,
                     leaf_modules=[n.removeprefix(prefix) for n in leaves if n.startswith(prefix)],
                     max_stages=request.max_stages,
                     progress=self.progress,
@@ -558,7 +560,7 @@ class Planner:
         self.planning_peak_bytes = max(p.planning_peak_bytes or 0 for p in by_key.values()) or None
 
     def __getattr__(self, name: str) -> Any:
-        # Reached only for attributes never set: a planner that plans inside a submodule
+        # Reached only for attributes never set: a planner that plans units of a root
         # has no graph, profile or search of the root.
         nested = self.__dict__.get("nested")
         if nested is None or name.startswith("__"):

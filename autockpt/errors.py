@@ -60,7 +60,7 @@ class TraceError(AutockptError):
     ``module`` is the qualified name of the innermost module that failed ("" for the root),
     ``location`` the ``file:line`` of the offending source line. ``in_root_code`` is true when
     fx failed in the root module's own code and ``torch.export`` failed too: no capture path
-    reaches inside the root's forward, so planning may fall back to one of its submodules
+    reaches inside the root's forward, so planning may fall back to the submodules it calls
     (autockpt/planning/nested.py).
     """
 

@@ -443,7 +443,7 @@ def _growth_per_size(planner: Planner, size: int) -> float:
     smaller than linear), so the first guess lands below the answer, where a planner is not
     wasted: the secant through it and the first size is then close."""
     prof = planner.__dict__.get("profile")
-    if prof is None:  # planned inside a submodule: the line through the origin
+    if prof is None:  # planned as units (a root not captured whole): the line through the origin
         return planner.minimum_peak_bytes / size
     lean = planner.search.leanest()
     node_ranges, stash = planner.predictor.node_ranges(lean.segments)

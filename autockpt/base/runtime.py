@@ -53,6 +53,14 @@ def default_loss(output: Any) -> torch.Tensor:
     return _summed(output)
 
 
+def unit_loss(output: Any) -> torch.Tensor:
+    """The loss a unit of a larger step is planned with (autockpt/planning/nested.py): the
+    sum of its floating outputs, so the gradient reaching them has the shape the real step
+    gives it. Quiet: the loss the user trains with is the root's, planned and measured
+    around the units."""
+    return _summed(output)
+
+
 def _summed(output: Any) -> torch.Tensor:
     tensors = [
         t
@@ -104,7 +112,7 @@ def loss_name(loss_fn: LossFn | None) -> str:
     """How a plan names its loss: ``"default"`` (:func:`default_loss`), else the callable's
     ``module:qualname`` (a ``functools.partial`` by its function), so that a plan applied or
     verified with another loss can tell."""
-    if loss_fn is None or loss_fn is default_loss:
+    if loss_fn is None or loss_fn is default_loss or loss_fn is unit_loss:
         return DEFAULT_LOSS
     target = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
     module = getattr(target, "__module__", None) or type(target).__module__

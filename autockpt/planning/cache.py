@@ -30,9 +30,9 @@ or call :func:`clear_cache`.
 The cache holds at most :data:`MAX_ENTRIES` entries (least recently used first out); an
 entry goes when its model is garbage-collected. ``autockpt.clear_cache()`` empties the
 cache; ``optimize(..., cache=False)`` and ``Planner(..., cache=False)`` neither read nor fill
-it. A model whose root cannot be captured is planned inside a submodule
-(autockpt/planning/nested.py): that submodule's preparation is kept, while choosing it and
-measuring its whole step run again.
+it. A model whose root cannot be captured has its submodule calls planned as units
+(autockpt/planning/nested.py): each distinct unit's preparation is kept, while finding the
+units and measuring the whole step run again.
 """
 
 from __future__ import annotations

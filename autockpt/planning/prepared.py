@@ -11,7 +11,7 @@ another's half-finished state.
 The order of the phases, and why:
 
 1. *capture* (``autockpt.capture``) is done by the caller: a root whose own forward cannot be
-   captured is planned inside a submodule instead (``autockpt/planning/nested.py``), and
+   captured has its submodule calls planned as units (``autockpt/planning/nested.py``), and
    only the caller knows whether that is allowed.
 2. *profile*: sizes from a step on fake tensors, kernel workspaces and times from a probe
    that runs one node at a time on the device (NOTE [profile: fake structure], NOTE

@@ -8,8 +8,8 @@ taken off the budget the search may use, and the search runs again, at most
 is the only real step planning runs.
 
 Two planners use it: :class:`autockpt.api.Planner` (the search under the replay), and
-:class:`autockpt.planning.nested.SubmodulePlanner`, whose last round falls back to the
-leanest plan of the submodule (it is told which round is the last).
+:class:`autockpt.planning.nested.UnitsPlanner`, whose last round falls back to the
+leanest choice of its units (it is told which round is the last).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""A submodule's own call, and a model with one submodule replaced: what planning inside a
-submodule (``autockpt/planning/nested.py``) and applying such a plan
-(``autockpt/rewrite/apply.py``) both need.
+"""The root's module calls, recorded from one run of its forward, and a model with some
+submodules replaced: what planning a model that cannot be captured whole
+(``autockpt/planning/nested.py``) and applying such a plan (``autockpt/rewrite/apply.py``)
+both need.
 """
 
 from __future__ import annotations
