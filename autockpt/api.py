@@ -46,6 +46,7 @@ from autockpt.costs.problem import DEFAULT_MAX_STAGES, StageRange
 from autockpt.distributed import PlanRequest, plan_on_one_rank
 from autockpt.errors import (
     GIB,
+    AutockptError,
     BudgetError,
     BudgetTypeError,
     InfeasibleBudgetError,
@@ -514,6 +515,14 @@ class Planner:
         """Plan the submodule calls of a root whose own code cannot be captured as units
         (autockpt/planning/nested.py, NOTE [nested: units])."""
         self._phases.stop()  # the failed capture; the units' planners time their own phases
+        if not request.probe:
+            # finding units runs the root's forward: no plan from shapes alone (fit_batch)
+            raise AutockptError(
+                f"this model's forward cannot be captured ({error.location}: "
+                f"`{error.source_line}`), so it is planned as units found by running its "
+                "forward, which a plan from shapes alone (probe=False, fit_batch's sizes) "
+                "must not do: plan a given batch with autockpt.optimize instead"
+            ) from error
         self.progress("finding the submodule calls to plan (the root's forward cannot be captured)")
         started = time.perf_counter()
         leaves = request.leaf_modules

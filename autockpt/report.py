@@ -439,6 +439,14 @@ def frontier(
     step each). ``on_step(what, done, total)`` reports progress."""
     if budgets < 2:
         raise ValueError(f"a frontier needs at least 2 budgets, got {budgets}")
+    nested = planner.__dict__.get("nested")
+    if nested is not None:
+        raise ReportError(
+            "no frontier for this model: its forward cannot be captured, so its submodule "
+            f"calls are planned as units ({nested.path}), each of its own graph, and one "
+            "step's stages do not exist; plan at the budgets you want (`autockpt plan "
+            "--budget-gb`, or Planner.optimize), each measured against its budget"
+        )
     report = on_step or (lambda what, done, total: None)
     low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
     step = planner.step_seconds

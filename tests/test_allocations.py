@@ -12,7 +12,6 @@ from autockpt.base.allocations import StorageSet, static_bytes, storage_key
 from autockpt.base.inputs import Inputs
 from autockpt.base.runtime import fake_step
 from autockpt.measure import static_bytes as measured_static_bytes
-from autockpt.planning.nested import _outside_bytes
 
 # Parameters: a.weight 64 B (tied to b.weight), a.bias 16, b.bias 16, child 32 + 8 = 136 B;
 # the buffer 12 B; the input 32 B, its row a view of it, the buffer passed in again.
@@ -65,12 +64,3 @@ def test_fake_twins_count_like_the_real_tensors():
     # the real tensors again, keyed by address: a view shares its base's key
     x = inputs.args[0]
     assert storage_key(x) == storage_key(x[0]) != storage_key(model.buf)
-
-
-@pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_what_lies_outside_a_submodule(device):
-    model, inputs = _case(device)
-    child_inputs = Inputs((inputs.args[0][:1],), {})  # a view of the root's input
-    outside_gradients = 64 + 16 + 16  # a.weight (b.weight is the same), a.bias, b.bias
-    expected = (PARAMETERS - 40 + BUFFERS) if device == "cpu" else 0
-    assert _outside_bytes(model, inputs, "child", child_inputs) == expected + outside_gradients

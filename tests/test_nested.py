@@ -209,6 +209,20 @@ def test_per_plan_queries_name_the_units(planned):
         planner.solve(planner.minimum_peak_bytes)
 
 
+def test_reports_that_need_one_graph_refuse_with_a_reason(planned):
+    from autockpt.report import ReportError, frontier
+
+    model, inputs, planner, _ = planned
+    with pytest.raises(ReportError, match="planned as units"):
+        frontier(planner)
+    with pytest.raises(autockpt.errors.AutockptError, match="shapes alone"):
+        autockpt.fit_batch(
+            model,
+            lambda n: {"x": torch.randn(n, 32, 8), "labels": torch.randint(0, VOCAB, (n, 32))},
+            budget_gb=planner.minimum_peak_bytes / GIB,
+        )
+
+
 def test_no_capturable_submodule_raises_each_levels_first_failure():
     class Flat(nn.Module):
         def __init__(self) -> None:

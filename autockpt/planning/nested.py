@@ -68,8 +68,6 @@ _MAX_DEPTH = 3
 _SHARES = (0.25, 0.5, 0.75)
 """Where between a unit's leanest plan and no checkpointing its middle options are planned."""
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
@@ -79,9 +77,10 @@ class Unit:
     inputs: Inputs
     """Its call's ``(args, kwargs)`` in the recorded run (a sibling's, see ``called``)."""
     called: bool = True
-    """False: the recorded run never called it (a layer skipped by code the worst-case
-    draws do not reach); it is planned with the inputs of the sibling of its class before it,
-    for the worst case that it runs."""
+    """False: the recorded run never called it (an expert not routed to, a layer skipped by
+    a Python draw); it is planned with the inputs of the unit in its place in another child
+    of a container above it (``rewrite/submodule.sibling_path``), for the worst case that
+    it runs."""
 
 
 @dataclasses.dataclass(frozen=True)
