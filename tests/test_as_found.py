@@ -10,6 +10,7 @@ NumPy's generators, and batch norm with mixed training modes and existing gradie
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import warnings
 from typing import Any
@@ -506,3 +507,46 @@ def test_as_found_restores_on_error():
             raise RuntimeError("boom")
     snap.check(model, "as_found on error")
     _assert_generators(before, "as_found on error")
+
+
+@functools.lru_cache(maxsize=4)
+def _position_index(size: int) -> torch.Tensor:
+    """Built once per size and cached process-wide, as Hugging Face's BEiT caches its
+    relative position index (there behind a closure: compile_compatible_method_lru_cache)."""
+    return torch.arange(size).flip(0)
+
+
+def _cached_in_a_closure():
+    cache = functools.lru_cache(maxsize=4)(lambda size: torch.ones(size))
+
+    def wrapper(size: int) -> torch.Tensor:
+        return cache(size)
+
+    return wrapper
+
+
+class CachedPositions(nn.Module):
+    bias = staticmethod(_cached_in_a_closure())
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = _position_index(x.shape[1])  # a real index on every real call
+        return self.proj(x[:, order] * self.bias(x.shape[-1]))
+
+
+def test_caches_the_model_fills_on_fake_tensors_are_emptied():
+    # Planning runs the model's code on fake tensors (a fake step, export's tracing): a
+    # process-wide cache it fills would hand every later real call a tensor without data.
+    _position_index.cache_clear()
+    model = nn.Sequential(CachedPositions(DIM), CachedPositions(DIM)).train()
+    x = torch.randn(BATCH, SEQ, DIM)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fast = autockpt.optimize(model, x, budget_gb=1.0)
+    assert _position_index.cache_info().currsize == 0
+    assert CachedPositions.bias.__closure__[0].cell_contents.cache_info().currsize == 0
+    assert_same_step(train_step(reference, x), train_step(fast, x))

@@ -326,11 +326,63 @@ def fake_step(
     )
     grads = {name: p.grad for name, p in model.named_parameters()}
     try:
-        with _reparametrize_module(model, state), mode:
+        with _reparametrize_module(model, state), mode, caches_as_found(model):
             yield fake_inputs
     finally:
         for name, p in model.named_parameters():  # a stray fake gradient never survives
             p.grad = grads.get(name)
+
+
+@contextmanager
+def caches_as_found(model: nn.Module) -> Iterator[None]:
+    """Empty, on exit, every ``functools.lru_cache`` of the model's own code that the block
+    filled (NOTE [runtime: caches]).
+
+    NOTE [runtime: caches]. Model code caches tensors across calls: Hugging Face's BEiT
+    builds its relative position index once per window size in a process-wide
+    ``lru_cache``. Run on fake tensors (a fake step, ``torch.export``'s tracing), it caches
+    a *fake* index, and every later real step of any instance (the user's eager model
+    included) gets it back and fails (``DataDependentOutputException``) or computes with a
+    tensor that has no data. A cache is state the block must leave as found; emptying the
+    caches it filled costs the model one recomputation. Which caches: those defined in the
+    modules and classes of the model's own modules (directly, or one closure deep, as
+    ``transformers.pytorch_utils.compile_compatible_method_lru_cache`` hides its cache),
+    torch's own excepted; "filled" is a cache miss counted during the block."""
+    before = {id(cache): cache.cache_info().misses for cache in _model_caches(model)}
+    try:
+        yield
+    finally:
+        for cache in _model_caches(model):
+            if cache.cache_info().misses != before.get(id(cache), 0):
+                cache.cache_clear()
+
+
+def _model_caches(model: nn.Module) -> list[Any]:
+    """The ``lru_cache`` wrappers reachable from the classes of ``model``'s modules and the
+    modules defining them (NOTE [runtime: caches])."""
+    namespaces: dict[int, dict[str, Any]] = {}
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            if cls.__module__.split(".")[0] in ("torch", "builtins"):
+                continue
+            namespaces.setdefault(id(cls), vars(cls))
+            defining = sys.modules.get(cls.__module__)
+            if defining is not None:
+                namespaces.setdefault(id(defining), vars(defining))
+    caches: dict[int, Any] = {}
+    for namespace in namespaces.values():
+        for value in list(namespace.values()):
+            function = getattr(value, "__func__", value)  # staticmethod, classmethod
+            candidates = [function]
+            for cell in getattr(function, "__closure__", None) or ():
+                try:
+                    candidates.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+            for candidate in candidates:
+                if isinstance(candidate, functools._lru_cache_wrapper):
+                    caches[id(candidate)] = candidate
+    return list(caches.values())
 
 
 def is_fake(t: torch.Tensor) -> bool:

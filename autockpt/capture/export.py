@@ -26,6 +26,7 @@ from torch import nn
 
 from autockpt.base.inputs import Inputs
 from autockpt.base.rng import rng_as_found
+from autockpt.base.runtime import caches_as_found
 from autockpt.capture.captured import Capture
 from autockpt.capture.watch import (
     _CHECKPOINT_WARNING,
@@ -274,7 +275,8 @@ def _export(
     the first error stands."""
 
     def run() -> torch.export.ExportedProgram:
-        with contextlib.ExitStack() as stack:
+        # tracing runs the model's code on fake tensors: caches it fills hold fakes
+        with contextlib.ExitStack() as stack, caches_as_found(model):
             if dynamic is not None:  # the spec is for the forward as this shows it
                 stack.enter_context(_size_oblivious())
                 stack.enter_context(_keywords_as_parameters(model, inputs))
