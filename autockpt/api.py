@@ -86,6 +86,7 @@ from autockpt.rewrite.result import (
     check_setting,
     mark_verified_compiled,
     set_precision_change,
+    watch_units_precision,
 )
 from solvers import METHODS, InfeasibleError, Simulation, Solution
 from solvers.selective import keepable_nodes
@@ -224,7 +225,14 @@ def optimize(
         # change]); the result is planned from its plain model (unwrap)
         return optimize(module, Inputs(tuple(args), dict(kwargs)), **request)
 
-    set_precision_change(getattr(result, "_orig_mod", result), on_precision_change, replan)
+    inner = getattr(result, "_orig_mod", result)
+    set_precision_change(inner, on_precision_change, replan)
+    if getattr(inner, "plan", None) is not None and inner.plan.units:  # a result of units
+        watch_units_precision(
+            inner,
+            lambda args, kwargs: optimize(model, Inputs(tuple(args), dict(kwargs)), **request),
+            on_precision_change,
+        )
     return result
 
 
@@ -555,6 +563,7 @@ class Planner:
             scope=self.scope,
             leaf_modules=tuple(leaves),
             loss=loss_name(self.loss_fn),
+            precision_note=self.precision.note(),
             choose_seconds=choose_seconds,
             progress=self.progress,
             measure_step=self._measure,
@@ -716,15 +725,27 @@ class Planner:
         everything inside it."""
         budget_bytes = budget_in_bytes(check_budget_gb(budget_gb))
         if self.nested is not None:
-            return self._hand_back(
-                self.nested.optimize(
-                    budget_bytes,
+            units = self.nested.optimize(
+                budget_bytes,
+                solver=solver,
+                time_limit_s=time_limit_s,
+                verify=verify,
+                selective=selective,
+            )
+
+            def replan_units(args: tuple, kwargs: dict) -> nn.Module:
+                # this planner's request, from the call in the new precision
+                again = Planner(self.model, Inputs(tuple(args), dict(kwargs)), **self._options)
+                return again.optimize(
+                    budget_gb=budget_gb,
                     solver=solver,
                     time_limit_s=time_limit_s,
                     verify=verify,
                     selective=selective,
                 )
-            )
+
+            watch_units_precision(units, replan_units, "replan")
+            return self._hand_back(units)
 
         def attempt(underestimate: int, last_round: bool) -> Attempt[tuple[Solution, Plan]]:
             self._phases.start("search", "solving")

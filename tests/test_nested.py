@@ -21,7 +21,7 @@ import autockpt
 from autockpt import InfeasibleBudgetError, Plan, PlanMismatchError, TraceError
 from autockpt.api import Planner
 from autockpt.base.rng import worst_case_draws
-from autockpt.errors import GIB
+from autockpt.errors import GIB, PrecisionWarning
 from tests.conftest import TINY_SPEECH, assert_same_step, train_step
 from tests.test_plan import SCHEMA
 
@@ -221,6 +221,34 @@ def test_reports_that_need_one_graph_refuse_with_a_reason(planned):
             lambda n: {"x": torch.randn(n, 32, 8), "labels": torch.randint(0, VOCAB, (n, 32))},
             budget_gb=planner.minimum_peak_bytes / GIB,
         )
+
+
+def test_a_result_of_units_plans_again_in_another_precision():
+    cls, make_inputs, _ = PATTERNS["label-check"]
+    torch.manual_seed(0)
+    model, inputs = cls().train(), make_inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, inputs)
+        budget = (planner.minimum_peak_bytes + planner.no_checkpoint_peak_bytes) // 2
+        fast = autockpt.optimize(model, inputs, budget_gb=budget / GIB)
+        strict = autockpt.optimize(
+            model, inputs, budget_gb=budget / GIB, on_precision_change="raise"
+        )
+    planned = fast.plan
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(PrecisionWarning, match="planning its units again"):
+            fast(**inputs)
+        assert fast.plan is not planned and "bfloat16 autocast" in fast.plan.notes[-1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # planned for it now: no unit warns
+            expected = train_step(copy.deepcopy(model), inputs)
+            got = train_step(fast, inputs)
+            peak = autockpt.measure(fast, inputs, repeat=0, warmup=0).peak_bytes
+        assert_same_step(expected, got)
+        assert peak <= budget
+        with pytest.raises(PlanMismatchError, match="on_precision_change='raise'"):
+            strict(**inputs)
 
 
 def test_no_capturable_submodule_raises_each_levels_first_failure():

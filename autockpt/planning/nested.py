@@ -225,6 +225,7 @@ class UnitsPlanner:
         scope: str,
         leaf_modules: tuple[str, ...],
         loss: str,
+        precision_note: str,
         choose_seconds: float,
         progress: ProgressFn,
         measure_step: Callable[[nn.Module], Measurement],
@@ -233,6 +234,9 @@ class UnitsPlanner:
         self.units, self.found_notes = found.units, found.notes
         self.planners, self.scope, self.measure_step = planners, scope, measure_step
         self.leaf_modules, self.loss = leaf_modules, loss
+        self.precision_note = precision_note
+        """The precision the units were planned in, as a plan's note records it (a call in
+        another precision plans again: NOTE [rewrite: precision change])."""
         self.phase_seconds = {"capture": choose_seconds}
         """Wall seconds of what this planner adds to the units' planners' phases."""
         self.path = ", ".join(f"'{u.path}'" for u in self.units)
@@ -444,6 +448,7 @@ class UnitsPlanner:
             f"plus {self.unseen_bytes} bytes the root's own code adds (measured once on the "
             "leanest choice's step; negative: the replays over-count)",
             "predicted seconds are the units' (the root's own code is not timed)",
+            self.precision_note,
             *(
                 [
                     "the root's code draws from "

@@ -337,6 +337,56 @@ def set_precision_change(
         state.replan = replan
 
 
+_UNITS_REPLAN = "_autockpt_units_replan"
+"""The attribute of a result of units (a root not captured whole) holding its re-plan."""
+
+
+def watch_units_precision(
+    result: nn.Module, replan: Callable[[tuple, dict], nn.Module], on_precision_change: str
+) -> None:
+    """NOTE [rewrite: precision change] for a result of units (autockpt/planning/nested.py):
+    its root is a shallow copy of the user's class, not a generated class, so a forward
+    pre-hook checks each training call's precision against the plan's. In another
+    precision, "replan" plans the whole step again from that call (``replan(args, kwargs)``,
+    a new result of units) and takes its units in place before the call runs; "raise"
+    refuses; "warn" leaves each unit's own check to warn. ``result.on_precision_change``
+    switches the rule later."""
+    watched = _UNITS_REPLAN in vars(result)  # the front door re-watches the planner's result
+    vars(result)["on_precision_change"] = on_precision_change
+    vars(result)[_UNITS_REPLAN] = replan
+    if not watched:
+        result.register_forward_pre_hook(_units_precision_hook, with_kwargs=True)
+
+
+def _units_precision_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if not module.training or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    plan = vars(module).get("plan")
+    planned = planned_precision(plan) if plan is not None else None
+    current = Precision.now(module)
+    rule = vars(module).get("on_precision_change", "replan")
+    check_setting("on_precision_change", rule)
+    if planned is None or planned == current or rule == "warn":
+        return
+    if rule == "raise":
+        raise PlanMismatchError(
+            f"{type(module).__name__} was planned with {planned.describe()}; this call runs "
+            f"with {current.describe()} (on_precision_change='raise')"
+        )
+    warnings.warn(
+        f"{type(module).__name__} was planned with {planned.describe()}; this call runs with "
+        f"{current.describe()}: planning its units again for it, within the same budget "
+        f"({plan.budget_bytes} bytes). result.plan is the new plan; set "
+        "result.on_precision_change = 'raise' to refuse other precisions instead",
+        PrecisionWarning,
+        stacklevel=4,
+    )
+    again = vars(module)[_UNITS_REPLAN](args, kwargs)
+    # the new units in place: the tree the forward walks, and the plan
+    vars(module)["_modules"] = vars(again)["_modules"]
+    vars(module)["plan"] = again.plan
+
+
 def adopt(target: nn.Module, source: nn.Module) -> None:
     """Make ``target`` (a result) run ``source``'s plan: its graph, segments (bound to
     ``target``) and state, ``target``'s own settings and warnings kept. Both share the tree
