@@ -11,11 +11,14 @@ NOTE [nested: units]. That code runs eagerly; the submodules it calls are planne
 1. find the units (:func:`find_units`): one run of the root's forward that keeps nothing
    for a backward (``autockpt/rewrite/submodule.record_calls``) lists the submodules called
    from the root's own code; each that holds parameters and captures is a unit, each that
-   does not capture is descended into (its own code runs eagerly too), down to
-   :data:`_MAX_DEPTH` levels. The run draws scalars at their worst case, so every LayerDrop
-   layer is called and planned (the worst case, as inside captured graphs). A module called
-   more than once (a block reused, shared weights) is not a unit: it runs eagerly and the
-   notes say so (planning it per call would double-count or miss a call);
+   does not capture, or whose outputs the capture would drop (an object the root reads),
+   is descended into (its own code runs eagerly too), down to :data:`_MAX_DEPTH` levels.
+   The run draws torch's scalars at their worst case, so every LayerDrop layer is called
+   and planned (the worst case, as inside captured graphs); a module the run did not call
+   that holds a unit's place in another child of a container above it (an expert not routed
+   to, a layer a Python draw skipped) is a unit too, for the worst case that it runs. A
+   module called more than once (a block reused, shared weights) is not a unit: it runs
+   eagerly and the notes say so (planning it per call would double-count or miss a call);
 2. plan each distinct unit once (same class, inputs, parameter and buffer shapes: the
    layers of a stack share one planner) with an ordinary planner, and summarise a few of its
    plans (leave it alone, checkpoint it whole, its leanest plan, least-recompute plans at
@@ -25,10 +28,14 @@ NOTE [nested: units]. That code runs eagerly; the submodules it calls are planne
    (:func:`solvers.units.least_seconds`: units run in order, each while the earlier ones
    hold what they kept): checkpoint a unit whole, plan inside it, or leave it alone;
 4. verify: measure the root's whole step. What the units' replays do not see (the root's
-   own activations: a head, a loss, a feature extractor running eagerly) is learnt from one
-   measured step of the leanest choice, made when planning begins, and the measure-and-
-   tighten loop (``autockpt/planning/verify.py``) takes care of the rest. The stated
-   minimum is that leanest step as measured: it is achievable by construction.
+   own activations: a head, a loss, a feature extractor running eagerly) is learnt when
+   planning begins from measured steps of three choices (the replays' leanest, each
+   repeated block checkpointed whole, every unit checkpointed whole): the leanest measured
+   is the stated minimum, achievable by construction and never above checkpointing each
+   block by hand, and its measured minus predicted peak corrects every later prediction
+   (never downwards when the root draws from Python's or NumPy's generator, which cannot be
+   put at its worst case). The measure-and-tighten loop (``autockpt/planning/verify.py``)
+   takes care of the rest.
 
 The result is a new instance of the user's class sharing every parameter, buffer and module
 with the original, except the units that are checkpointed, which are replaced by their
