@@ -1372,7 +1372,7 @@ def _survey(
         within_budget=measured <= row["budget_bytes"],
         prediction_error=(row["predicted_peak_bytes"] - measured) / measured,
     )
-    if per_block and nested is not None:
+    if per_block and nested is not None and nested.per_block_peak_bytes is not None:
         # each repeated block checkpointed whole, the rest as written: measured by the
         # planner among its leanest candidates (NOTE [nested: units])
         row.update(

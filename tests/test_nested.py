@@ -126,6 +126,8 @@ def test_plans_inside_the_body_and_trains_like_eager(planned):
     plan = fast.plan
     assert planner.nested is not None
     assert [unit.path for unit in planner.nested.units] == ["body", "head"]
+    # no repeated class: nothing to checkpoint by hand, and the un-checkpointed step never ran
+    assert planner.nested.per_block_peak_bytes is None
     error = planner.nested.error  # what fx and export said about the root's own code
     assert error.module == "" and error.in_root_code and "labels.max()" in error.source_line
     assert isinstance(fast, Checked) and plan.submodule is None

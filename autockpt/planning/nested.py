@@ -275,8 +275,11 @@ class UnitsPlanner:
         progress("measuring the leanest choices' whole steps")
         started = time.perf_counter()
         measured: dict[tuple[int, ...], int] = {}
-        for choice in (leanest(self._summaries), per_block, per_unit):
-            if choice not in measured:
+        lean = leanest(self._summaries)
+        for choice in (lean, per_block, per_unit):
+            # never the un-checkpointed step (no repeated class: per_block checkpoints
+            # nothing), unless it is the leanest there is
+            if choice not in measured and (choice != none or choice == lean):
                 measured[choice] = measure_step(self._module(choice)).peak_bytes
         self.phase_seconds["verify"] = time.perf_counter() - started
         self.leanest_choice = min(measured, key=lambda choice: (measured[choice], choice))
@@ -298,8 +301,11 @@ class UnitsPlanner:
         checkpointing each repeated block (or every unit) by hand (with Python or NumPy
         draws in the root, at least its worst-case prediction)."""
         self.no_checkpoint_peak_bytes = self._scoped(self._predicted_total(none))
-        self.per_block_peak_bytes = self._scoped(measured[per_block])
-        """Measured peak of checkpointing each repeated block whole, the rest as written."""
+        self.per_block_peak_bytes = (
+            self._scoped(measured[per_block]) if per_block in measured else None
+        )
+        """Measured peak of checkpointing each repeated block whole, the rest as written
+        (None without a repeated class: nothing to checkpoint by hand)."""
         self.breakdown = {
             "parameters, buffers, inputs and gradients": self.static_total,
             "the units' activations (leanest choice)": step_peak(
