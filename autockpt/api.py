@@ -456,7 +456,7 @@ class Planner:
                 # (an input check) runs eagerly around a submodule that is planned instead.
                 if not error.in_root_code or self.sharding.active or device.type == "meta":
                     raise
-                self._plan_inside_submodule(error, request)
+                self._plan_units(error, request)
                 return
             if budget_bytes is not None:
                 _refuse_below_floor(model, self.inputs, captured, request, budget_bytes)
@@ -519,7 +519,7 @@ class Planner:
             self.chain, self.predictor, seeds=prepared.seeds, leanest=leanest
         )
 
-    def _plan_inside_submodule(self, error: TraceError, request: Request) -> None:
+    def _plan_units(self, error: TraceError, request: Request) -> None:
         """Plan the submodule calls of a root whose own code cannot be captured as units
         (autockpt/planning/nested.py, NOTE [nested: units])."""
         self._phases.stop()  # the failed capture; the units' planners time their own phases
@@ -724,6 +724,19 @@ class Planner:
         budget (docs/design.md, "Selective recompute"); False: every segment recomputes
         everything inside it."""
         budget_bytes = budget_in_bytes(check_budget_gb(budget_gb))
+
+        def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+            # this planner's request, from the call in the new precision (NOTE [rewrite:
+            # precision change]); the result is planned from its plain model (unwrap)
+            again = Planner(module, Inputs(tuple(args), dict(kwargs)), **self._options)
+            return again.optimize(
+                budget_gb=budget_gb,
+                solver=solver,
+                time_limit_s=time_limit_s,
+                verify=verify,
+                selective=selective,
+            )
+
         if self.nested is not None:
             units = self.nested.optimize(
                 budget_bytes,
@@ -732,19 +745,10 @@ class Planner:
                 verify=verify,
                 selective=selective,
             )
-
-            def replan_units(args: tuple, kwargs: dict) -> nn.Module:
-                # this planner's request, from the call in the new precision
-                again = Planner(self.model, Inputs(tuple(args), dict(kwargs)), **self._options)
-                return again.optimize(
-                    budget_gb=budget_gb,
-                    solver=solver,
-                    time_limit_s=time_limit_s,
-                    verify=verify,
-                    selective=selective,
-                )
-
-            watch_units_precision(units, replan_units, "replan")
+            # a result of units plans the whole step again from the user's model
+            watch_units_precision(
+                units, lambda args, kwargs: replan(self.model, args, kwargs), "replan"
+            )
             return self._hand_back(units)
 
         def attempt(underestimate: int, last_round: bool) -> Attempt[tuple[Solution, Plan]]:
@@ -797,18 +801,6 @@ class Planner:
         result.plan = with_measurement(
             plan, self.prepared, self.predictor, solution, fitted.measurement
         )
-
-        def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
-            # this planner's request, from the call in the new precision (NOTE [rewrite:
-            # precision change]); the result is planned from its plain model (unwrap)
-            again = Planner(module, Inputs(tuple(args), dict(kwargs)), **self._options)
-            return again.optimize(
-                budget_gb=budget_gb,
-                solver=solver,
-                time_limit_s=time_limit_s,
-                verify=verify,
-                selective=selective,
-            )
 
         set_precision_change(getattr(result, "_orig_mod", result), "replan", replan)
         return result

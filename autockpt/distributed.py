@@ -161,30 +161,28 @@ class _AllocationLedger:
             self.current += change
         elif change < 0:
             size = -change
-            freed = self._blocks_summing_to(size, most=1)
+            freed = self._blocks_summing_to(size, counts=(1,))
             if not freed and self.elsewhere >= size:  # another thread's own bytes
                 self.elsewhere -= size
                 self.current -= size
                 return
-            freed = freed or self._blocks_summing_to(size, most=3)
+            freed = freed or self._blocks_summing_to(size, counts=(2, 3))
             for ptr in freed:
                 del self.live[ptr]
             if freed:
                 self.current -= size
 
-    def _blocks_summing_to(self, size: int, most: int) -> tuple[int, ...]:
-        """Addresses of live blocks whose sizes sum exactly to ``size``: one block (most
-        recent first: frees follow soon), else up to ``most`` of the most recent
-        :data:`_RECENT` blocks (a drop is first taken as another thread's own bytes). A worker thread may free several blocks between two watched
-        events (a bucket's and its copy's), and one drop then covers them all: matching a
-        single block only left such frees counted, by timing (an over-count of a whole
-        bucket on a rank, seen now and then on a loaded machine). Empty: no exact match."""
+    def _blocks_summing_to(self, size: int, counts: tuple[int, ...]) -> tuple[int, ...]:
+        """Addresses of ``count`` live blocks (for the first count in ``counts`` that has
+        them) whose sizes sum exactly to ``size``: one block searched among all, most recent
+        first (frees follow soon); two or three among the most recent :data:`_RECENT`. A
+        worker thread may free several blocks between two watched events (a bucket's and its
+        copy's), and one drop then covers them all: matching a single block only left such
+        frees counted, by timing (an over-count of a whole bucket on a rank, seen now and
+        then on a loaded machine). Empty: no exact match."""
         recent = list(reversed(self.live))
-        for ptr in recent:
-            if self.live[ptr] == size:
-                return (ptr,)
-        window = recent[:_RECENT]
-        for count in range(2, most + 1):
+        for count in counts:
+            window = recent if count == 1 else recent[:_RECENT]
             for combo in itertools.combinations(window, count):
                 if sum(self.live[ptr] for ptr in combo) == size:
                     return combo

@@ -624,6 +624,61 @@ def root_shape_branch(
 
 # ---------------------------------------------------------------------------------------------
 # 8. mlp_mixer
+# -- roots that cannot be captured whole (their submodule calls are planned as units) ------
+
+
+class DropoutMLP(nn.Module):
+    """A pre-norm MLP block with dropout and a residual: the layer of the two models below."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.drop(self.fc2(torch.relu(self.fc1(self.norm(x)))))
+
+
+class LayerDropEncoder(nn.Module):
+    """The Wav2Vec2/HuBERT encoder pattern: the root's own loop draws and skips layers, so
+    the root cannot be captured and its layers are planned as units."""
+
+    def __init__(self, dim: int = 32, depth: int = 6, p: float = 0.5, features: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, dim)
+        self.layers = nn.ModuleList(DropoutMLP(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            if not (self.training and torch.rand([]) < self.p):
+                h = layer(h)
+        return self.norm(h)
+
+
+class CheckedLM(nn.Module):
+    """The Wav2Vec2ForCTC pattern: a label check by value before the blocks and the loss."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(DropoutMLP(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx: Tensor, labels: Tensor) -> Tensor:
+        if labels.max() >= self.vocab:
+            raise ValueError("labels must be below the vocabulary size")
+        h = self.embed(idx)
+        for block in self.blocks:
+            h = block(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
 # ---------------------------------------------------------------------------------------------
 
 

@@ -46,7 +46,7 @@ from autockpt.base.rng import worst_case_draws  # noqa: E402
 from autockpt.capture import Inputs  # noqa: E402
 from autockpt.errors import GIB, InfeasibleBudgetError  # noqa: E402
 from autockpt.measure import measure  # noqa: E402
-from autockpt_zoo.toy import ZOO  # noqa: E402
+from autockpt_zoo.toy import ZOO, CheckedLM, LayerDropEncoder  # noqa: E402
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 TOLERANCE = 0.05
@@ -139,59 +139,10 @@ def patch_mixer(batch: int = 8, size: int = 32) -> tuple[nn.Module, torch.Tensor
     return model, torch.randn(batch, 3, size, size)
 
 
-class _Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.fc2(torch.relu(self.fc1(self.norm(x)))))
-
-
-class LayerDropEncoder(nn.Module):
-    """The Wav2Vec2/HuBERT encoder pattern: the root's own loop draws and skips layers, so
-    the root cannot be captured and its layers are planned as units."""
-
-    def __init__(self, dim: int, depth: int, p: float) -> None:
-        super().__init__()
-        self.embed = nn.Linear(16, dim)
-        self.layers = nn.ModuleList(_Block(dim) for _ in range(depth))
-        self.norm = nn.LayerNorm(dim)
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            if not (self.training and torch.rand([]) < self.p):
-                h = layer(h)
-        return self.norm(h)
-
-
 def layerdrop_encoder(batch: int = 8, seq: int = 128) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    return LayerDropEncoder(dim=96, depth=6, p=0.2).train(), torch.randn(batch, seq, 16)
-
-
-class CheckedLM(nn.Module):
-    """The Wav2Vec2ForCTC pattern: a label check by value, then blocks and the loss."""
-
-    def __init__(self, vocab: int, dim: int, depth: int) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(_Block(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if labels.max() >= self.vocab:
-            raise ValueError("labels must be below the vocabulary size")
-        h = self.embed(idx)
-        for block in self.blocks:
-            h = block(h)
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+    model = LayerDropEncoder(dim=96, depth=6, p=0.2, features=16).train()
+    return model, torch.randn(batch, seq, 16)
 
 
 def checked_lm(batch: int = 8, seq: int = 128) -> tuple[nn.Module, dict[str, torch.Tensor]]:

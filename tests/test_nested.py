@@ -22,22 +22,12 @@ from autockpt import InfeasibleBudgetError, Plan, PlanMismatchError, TraceError
 from autockpt.api import Planner
 from autockpt.base.rng import worst_case_draws
 from autockpt.errors import GIB, PrecisionWarning
+from autockpt_zoo.toy import CheckedLM, LayerDropEncoder
+from autockpt_zoo.toy import DropoutMLP as Block
 from tests.conftest import TINY_SPEECH, assert_same_step, train_step
 from tests.test_plan import SCHEMA
 
 VOCAB = 10
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.fc2(torch.relu(self.fc1(self.norm(x)))))
 
 
 class Body(nn.Module):
@@ -281,43 +271,6 @@ def test_no_capturable_submodule_raises_each_levels_first_failure():
         autockpt.optimize(Outer(), torch.randn(2, 8), budget_gb=1.0)
     assert len(caught.value.tried) == 1 and "'inner'" in caught.value.tried[0]
     assert "x.sum" in caught.value.tried[0] and "x.sum" in str(caught.value)
-
-
-class LayerDropEncoder(nn.Module):
-    """The Wav2Vec2/HuBERT encoder pattern: the root's loop draws and skips layers."""
-
-    def __init__(self, dim: int = 32, depth: int = 6, p: float = 0.5) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, dim)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(depth))
-        self.norm = nn.LayerNorm(dim)
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            if not (self.training and torch.rand([]) < self.p):
-                h = layer(h)
-        return self.norm(h)
-
-
-class CheckedLM(nn.Module):
-    """The Wav2Vec2ForCTC pattern: a label check by value before the blocks and the loss."""
-
-    def __init__(self, vocab: int = 64, dim: int = 32, depth: int = 4) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if labels.max() >= self.vocab:
-            raise ValueError("labels must be below the vocabulary size")
-        h = self.embed(idx)
-        for block in self.blocks:
-            h = block(h)
-        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
 class Routed(nn.Module):

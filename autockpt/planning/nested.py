@@ -72,6 +72,10 @@ from solvers.units import UnitOption, leanest, least_seconds, step_peak, step_se
 _MAX_DEPTH = 3
 """Levels of uncapturable code descended through (the root, a body, an encoder)."""
 
+_AS_WRITTEN, _WHOLE = 0, 1
+"""Where every distinct unit's options list its plan "left as written" and "checkpointed
+whole" (:func:`_options`)."""
+
 _SHARES = (0.25, 0.5, 0.75)
 """Where between a unit's leanest plan and no checkpointing its middle options are planned."""
 
@@ -261,8 +265,9 @@ class UnitsPlanner:
         self.static_total = static_bytes(model, inputs) + _gradient_bytes(model.parameters())
         self.static_bytes = 0 if scope == "total" else self.static_total
         """What scope="activations" leaves out."""
-        none = tuple(_none_index(opts) for opts in self.options)
-        per_unit = tuple(_whole_index(opts) for opts in self.options)
+        self.unseen_bytes = 0  # learnt from the measured steps below
+        none = tuple(_AS_WRITTEN for _ in self.options)
+        per_unit = tuple(_WHOLE for _ in self.options)
         # The leanest choice by the units' replays, and the two a user writes by hand:
         # every unit checkpointed whole, and each repeated block whole with the rest as
         # written. The root's own activations lie between the units, unseen by their
@@ -317,10 +322,9 @@ class UnitsPlanner:
     # -- predictions ----------------------------------------------------------------------
 
     def _predicted_total(self, choice: tuple[int, ...]) -> int:
-        """Total bytes of the whole step predicted for ``choice`` (before the measured
-        correction is known, without it)."""
-        unseen = getattr(self, "unseen_bytes", 0)
-        return self.static_total + step_peak(self._summaries, choice) + unseen
+        """Total bytes of the whole step predicted for ``choice``, with the measured
+        correction (:attr:`unseen_bytes`, 0 until it is known)."""
+        return self.static_total + step_peak(self._summaries, choice) + self.unseen_bytes
 
     def _scoped(self, total_bytes: int) -> int:
         return scoped_bytes(total_bytes, self.scope, self.static_bytes)
@@ -505,7 +509,7 @@ class UnitsPlanner:
                     opts[k].summary.held_bytes for opts, k in zip(self.options, choice, strict=True)
                 ),
                 no_checkpoint_activations=sum(
-                    opts[_none_index(opts)].summary.held_bytes for opts in self.options
+                    opts[_AS_WRITTEN].summary.held_bytes for opts in self.options
                 ),
             ),
             measured_peak_bytes=checked.peak_bytes if checked is not None else None,
@@ -540,6 +544,7 @@ def _options(planner: Any) -> list[_Option]:
             label,
         )
 
+    # at _AS_WRITTEN and _WHOLE: first, and distinct, so the de-duplication below keeps them
     options = [
         option((), (), "left as written"),
         option([(0, num_stages)], (), "checkpointed whole"),
@@ -560,14 +565,6 @@ def _options(planner: Any) -> list[_Option]:
     for opt in options:
         unique.setdefault((opt.segments, opt.kept), opt)
     return list(unique.values())
-
-
-def _none_index(options: list[_Option]) -> int:
-    return next(k for k, opt in enumerate(options) if not opt.segments)
-
-
-def _whole_index(options: list[_Option]) -> int:
-    return next(k for k, opt in enumerate(options) if opt.label == "checkpointed whole")
 
 
 def _capture_error(
