@@ -17,6 +17,7 @@ its measured step fit the budget (``verify=True``, the default).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import numbers
@@ -43,6 +44,7 @@ from autockpt.capture.captured import Capture
 from autockpt.capture.front import capture
 from autockpt.costs.as_written import as_written_shift
 from autockpt.costs.problem import DEFAULT_MAX_STAGES, StageRange
+from autockpt.costs.timing import STEP_ROUNDS, settle_factors, step_factors
 from autockpt.distributed import PlanRequest, plan_on_one_rank
 from autockpt.errors import (
     GIB,
@@ -54,7 +56,7 @@ from autockpt.errors import (
     PlanMismatchError,
     TraceError,
 )
-from autockpt.measure import Measurement, measure
+from autockpt.measure import Measurement, measure, time_steps
 from autockpt.plan import SCOPES, MemoryTimeline, Plan
 from autockpt.planning.cache import (
     Reused,
@@ -63,6 +65,16 @@ from autockpt.planning.cache import (
     clear_cache,
     keep,
     remember_as_written,
+    remember_profile,
+)
+from autockpt.planning.compiled import (
+    COMPILE_BUDGETS,
+    Candidate,
+    Run,
+    candidate_key,
+    check_compile_budgets,
+    compiled_notes,
+    fastest_within,
 )
 from autockpt.planning.make_plan import breakdown, make_plan, rank_breakdown, with_measurement
 from autockpt.planning.nested import UnitsPlanner, find_units, unit_key
@@ -80,7 +92,13 @@ from autockpt.planning.search import SEARCH_METHODS, BudgetSearch
 from autockpt.planning.sharding import resolve_sharding
 from autockpt.planning.specs import segment_specs
 from autockpt.planning.verify import Attempt, fit_by_measuring
-from autockpt.rewrite.apply import apply_plan, rewrite_for_training, same, unwrap
+from autockpt.rewrite.apply import (
+    CompiledHandBack,
+    apply_plan,
+    rewrite_for_training,
+    same,
+    unwrap,
+)
 from autockpt.rewrite.apply import segment_specs_from_plan as specs_from_plan
 from autockpt.rewrite.result import (
     check_setting,
@@ -125,6 +143,7 @@ def optimize(
     progress: ProgressFn | None = None,
     cache: bool = True,
     on_precision_change: str = "replan",
+    compile_budgets: Sequence[float] | None = None,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -182,11 +201,19 @@ def optimize(
     (``result.plan``); ``"warn"`` runs the old plan (an fx graph; an export graph raises);
     ``"raise"`` raises :class:`PlanMismatchError`. Settable later as
     ``result.on_precision_change``.
+
+    ``model`` may come compiled (``torch.compile(model)``): the result is compiled the same
+    way and its peak is measured compiled. Then ``compile_budgets`` (default 0.1, 0.3, 0.5)
+    are torch.compile's own ``activation_memory_budget`` values tried beside autockpt's plan:
+    each is measured compiled, and the fastest step whose measured peak fits the budget is
+    handed back (NOTE [compiled: partitioner budgets]; ``()``: autockpt's plan alone).
     """
     # every argument but the model and its inputs: what planning again repeats
     request = {k: v for k, v in locals().items() if k not in ("model", "example_inputs")}
     budget_gb = check_budget_gb(budget_gb)
     check_setting("on_precision_change", on_precision_change)
+    if compile_budgets is not None:
+        check_compile_budgets(compile_budgets)
 
     def plan_here(budget_gb: float = budget_gb) -> nn.Module:
         planner = Planner(
@@ -211,6 +238,7 @@ def optimize(
             time_limit_s=time_limit_s,
             verify=verify,
             selective=selective,
+            compile_budgets=compile_budgets,
         )
 
     result = plan_on_one_rank(
@@ -716,13 +744,16 @@ class Planner:
         time_limit_s: float = 30.0,
         verify: bool = True,
         selective: bool = True,
+        compile_budgets: Sequence[float] | None = None,
     ) -> nn.Module:
         """Solve for ``budget_gb``, rewrite, and (``verify``) check one measured step.
 
         ``selective``: segments may keep chosen operator outputs (a matrix multiply's)
         instead of recomputing them, where the replay shows that is cheaper within the
         budget (docs/design.md, "Selective recompute"); False: every segment recomputes
-        everything inside it."""
+        everything inside it. ``compile_budgets``: for a model that came compiled, the
+        ``activation_memory_budget`` values of torch.compile measured beside the plan (NOTE
+        [compiled: partitioner budgets]; default 0.1, 0.3, 0.5; ``()``: none)."""
         budget_bytes = budget_in_bytes(check_budget_gb(budget_gb))
 
         def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
@@ -735,6 +766,7 @@ class Planner:
                 time_limit_s=time_limit_s,
                 verify=verify,
                 selective=selective,
+                compile_budgets=compile_budgets,
             )
 
         if self.nested is not None:
@@ -761,17 +793,7 @@ class Planner:
                 if not underestimate:
                     raise
                 raise self._measured_infeasible(budget_bytes, underestimate) from error
-            specs = segment_specs(self.chain, self.profile, self.capture, solution, self.trace)
-            plan = make_plan(
-                self.prepared,
-                self.predictor,
-                solution,
-                specs,
-                budget_bytes,
-                minimum_peak_bytes=self.minimum_peak_bytes,
-                no_checkpoint_peak_bytes=self.no_checkpoint_peak_bytes,
-                as_written_peak_bytes=self._as_written_or_none(),
-            )
+            plan = self._plan_of(solution, budget_bytes)
             # One road from a plan to a module, for optimize and apply alike.
             result = self._rewrite(specs_from_plan(self.capture, plan))
             return Attempt(result, (solution, plan), solution.peak_bytes)
@@ -781,12 +803,13 @@ class Planner:
             # planning runs (the probe already warmed every kernel up). Memory only: one
             # step's time is no result (benchmarks interleave rounds).
             self._phases.start("verify", "measuring the plan")
-            checked = self._measure(found.result)
+            checked = self._measure(found.result, timed=self._times_step)
             solution = found.found[0]
             return self.budgeted_bytes(checked) + self.predictor.rank_shift(
                 solution.segments
             ), checked
 
+        fractions = self._compile_budgets(compile_budgets, verify)
         try:
             fitted = fit_by_measuring(
                 budget_bytes,
@@ -794,13 +817,24 @@ class Planner:
                 measure_attempt if verify and not self.meta else None,
                 lambda underestimate, used: self._measured_infeasible(budget_bytes, underestimate),
             )
+        except InfeasibleBudgetError as error:
+            if not fractions:
+                raise
+            # compile's own partitions may still fit (NOTE [compiled: partitioner budgets])
+            result = self._fastest_compiled(None, budget_bytes, fractions, error)
+        else:
+            result = fitted.attempt.result
+            solution, plan = fitted.attempt.found
+            if fitted.measurement is not None and fitted.measurement.repeat > 0:
+                self._adopt_step_factors(solution, fitted.measurement)
+                plan = self._plan_of(solution, budget_bytes)  # its seconds at the factors
+            result.plan = with_measurement(
+                plan, self.prepared, self.predictor, solution, fitted.measurement
+            )
+            if fractions:
+                result = self._fastest_compiled(result, budget_bytes, fractions, None)
         finally:
             self._phases.stop()
-        result = fitted.attempt.result
-        solution, plan = fitted.attempt.found
-        result.plan = with_measurement(
-            plan, self.prepared, self.predictor, solution, fitted.measurement
-        )
 
         set_precision_change(getattr(result, "_orig_mod", result), "replan", replan)
         return result
@@ -837,8 +871,147 @@ class Planner:
         """The model rewritten with ``specs``, handed back as it came (compiled or not)."""
         return self._hand_back(rewrite_for_training(self.model, self.capture, specs, self.inputs))
 
-    def _measure(self, result: nn.Module) -> Measurement:
-        """One real step of the plan, in the training mode it was planned in. A result under
+    def _compile_budgets(self, given: Sequence[float] | None, verify: bool) -> tuple[float, ...]:
+        """The partitioner budgets to measure beside the plan (NOTE [compiled: partitioner
+        budgets]): only for a model that came compiled, verified on a real device."""
+        if self._hand_back is same or not verify or self.meta:
+            return ()
+        return COMPILE_BUDGETS if given is None else check_compile_budgets(given)
+
+    def _fastest_compiled(
+        self,
+        planned: nn.Module | None,
+        budget_bytes: int,
+        fractions: tuple[float, ...],
+        infeasible: InfeasibleBudgetError | None,
+    ) -> nn.Module:
+        """The fastest of the verified plan (``planned``; None: no plan fits) and the model
+        compiled at each partitioner budget, by measured peak and time (NOTE [compiled:
+        partitioner budgets])."""
+        hand_back = self._hand_back
+        assert isinstance(hand_back, CompiledHandBack)
+        self._phases.start("verify", "measuring torch.compile's own partitions")
+        backend = hand_back.backend_name + repr(getattr(hand_back.context, "_dynamic", None))
+        plain = rewrite_for_training(self.model, self.capture, [], self.inputs)
+        candidates = [
+            Candidate(
+                hand_back.at_budget(plain, fraction),
+                fraction,
+                candidate_key(backend, fraction, None),
+            )
+            for fraction in fractions
+        ]
+        if planned is not None:
+            plan = planned.plan
+            segments = [(s.first_node, s.last_node, s.kept_ops) for s in plan.segments]
+            key = candidate_key(backend, None, segments)
+            candidates.insert(0, Candidate(planned, None, key))
+
+        def measure_peak(module: nn.Module) -> tuple[int, int]:
+            checked = self._measure(module)
+            return self.budgeted_bytes(checked), checked.peak_bytes
+
+        def side_by_side(modules: list[nn.Module]) -> list[float]:
+            with self.precision.entered():
+                return time_steps(modules, self.inputs, loss_fn=self.loss_fn)
+
+        while True:
+            best, runs = fastest_within(
+                candidates, budget_bytes, self.profile.timing, measure_peak, side_by_side
+            )
+            if best is None:
+                if infeasible is not None:
+                    raise infeasible
+                raise self._measured_infeasible(budget_bytes, 0)
+            result = self._handed_back(candidates, runs, best, budget_bytes)
+            # The module as handed back, its final plan in place (dynamo guards on the plan
+            # object, so this step compiles it once more): its own step is the promise.
+            final = self._measure(result)
+            if self.budgeted_bytes(final) <= budget_bytes:
+                # recorded in place: a new plan object would fail dynamo's guard on it and
+                # compile the module once more, which is not the step just measured
+                object.__setattr__(result.plan, "measured_peak_bytes", final.peak_bytes)
+                return result
+            candidates = [c for k, c in enumerate(candidates) if k != best]
+
+    def _handed_back(
+        self, candidates: list[Candidate], runs: list[Run], best: int, budget_bytes: int
+    ) -> nn.Module:
+        """The chosen compiled candidate with its plan (NOTE [compiled: partitioner
+        budgets])."""
+        notes = compiled_notes(candidates, runs, best, budget_bytes)
+        chosen, run = candidates[best], runs[best]
+        result = chosen.module
+        if chosen.fraction is None:
+            result.plan = dataclasses.replace(
+                result.plan,
+                measured_step_seconds=run.seconds,
+                notes=(*result.plan.notes, *notes),
+            )
+            return result
+        # no segments: the partitioner recomputes; peak and step measured compiled
+        empty = Solution([], 0.0, 0, "feasible", "compile", 0.0, None)
+        plan = self._plan_of(empty, budget_bytes)
+        mark_verified_compiled(result._orig_mod)
+        result.plan = dataclasses.replace(
+            plan,
+            compile_memory_budget=chosen.fraction,
+            predicted_peak_bytes=run.peak_bytes,
+            predicted_recompute_seconds=0.0,
+            predicted_step_seconds=run.seconds,
+            recompute_fraction=0.0,
+            measured_peak_bytes=run.peak_bytes,
+            measured_step_seconds=run.seconds,
+            notes=(*plan.notes, *notes),
+        )
+        return result
+
+    def _plan_of(self, solution: Solution, budget_bytes: int) -> Plan:
+        """The plan of ``solution``, with this planner's predictions."""
+        specs = segment_specs(self.chain, self.profile, self.capture, solution, self.trace)
+        return make_plan(
+            self.prepared,
+            self.predictor,
+            solution,
+            specs,
+            budget_bytes,
+            minimum_peak_bytes=self.minimum_peak_bytes,
+            no_checkpoint_peak_bytes=self.no_checkpoint_peak_bytes,
+            as_written_peak_bytes=self._as_written_or_none(),
+        )
+
+    @property
+    def _times_step(self) -> bool:
+        """Whether the verifying measurement also times the plan's step, for the step
+        factors no plan of this model has stored yet (NOTE [timing: step factors]): an
+        eager, unsharded forward and backward with measured node seconds that rank."""
+        timing = self.profile.timing
+        return (
+            timing is not None
+            and timing.ranks
+            and timing.factors is None
+            and self._hand_back is same
+            and self.optimizer is None
+            and self.accumulation_steps == 1
+            and not self.sharding.active
+        )
+
+    def _adopt_step_factors(self, solution: Solution, timed: Measurement) -> None:
+        """Store the step factors from the verified plan's timed steps (or take those another
+        process stored first) and predict by them from now on (NOTE [timing: step
+        factors])."""
+        timing = self.profile.timing
+        assert timing is not None
+        ranked = self.predictor.recompute_seconds(solution.segments, solution.kept)
+        factors = step_factors(timing, ranked, timed.forward_seconds, timed.step_seconds)
+        profile = self.profile.with_timing(settle_factors(timing, factors))
+        leanest = self.search.leanest()
+        self._adopt(dataclasses.replace(self.prepared, profile=profile), leanest=leanest)
+        remember_profile(self.model, self._cache_key, profile)
+
+    def _measure(self, result: nn.Module, timed: bool = False) -> Measurement:
+        """One real step of the plan, in the training mode it was planned in (``timed``:
+        then :data:`autockpt.costs.timing.STEP_ROUNDS` timed steps). A result under
         ``torch.compile`` (the model came compiled) is measured compiled, after one warm-up
         step that compiles it: the budget holds for the module handed back."""
         compiled = self._hand_back is not same
@@ -857,7 +1030,7 @@ class Planner:
                 result,
                 self.inputs,
                 loss_fn=self.loss_fn,
-                repeat=0,
+                repeat=STEP_ROUNDS if timed else 0,
                 warmup=1 if compiled else 0,
                 optimizer=self.optimizer,
                 accumulation_steps=self.accumulation_steps,

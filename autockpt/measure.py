@@ -22,6 +22,7 @@ time 0). The model, the inputs and the global random generators are left as foun
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from collections.abc import Callable
@@ -56,6 +57,10 @@ class Measurement:
     step_seconds: float
     device: str
     repeat: int
+    forward_seconds: float = 0.0
+    """Median time of the timed steps' forward passes, loss included (0 when none timed):
+    with ``step_seconds``, what the step factors are read from (NOTE [timing: step
+    factors])."""
 
     @property
     def activation_peak_bytes(self) -> int:
@@ -115,14 +120,17 @@ def measure(
         else:
             peak = _cpu_peak(iteration, static)
         clear_grads(model)
-        times = []
+        times, forwards = [], []
+        iteration.clock = device
         for _ in range(max(0, repeat)):
             start = now(device)
             iteration()
             times.append(now(device) - start)
+            forwards.append(iteration.forward_seconds)
             clear_grads(model)
     seconds = statistics.median(times) if times else 0.0
-    return Measurement(peak, static, seconds, str(device), max(0, repeat))
+    forward = statistics.median(forwards) if forwards else 0.0
+    return Measurement(peak, static, seconds, str(device), max(0, repeat), forward)
 
 
 class _Iteration:
@@ -143,6 +151,10 @@ class _Iteration:
         self.optimizer, self.accumulation_steps = optimizer, accumulation_steps
         self.stepping: torch.optim.Optimizer | None = None
         self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.clock: torch.device | None = None
+        """The device whose clock times the forward passes (None: not timed)."""
+        self.forward_seconds = 0.0
+        """The last iteration's forward seconds (loss included), when timed."""
 
     def __enter__(self) -> _Iteration:
         if self.optimizer is not None:
@@ -153,8 +165,9 @@ class _Iteration:
         return self
 
     def __call__(self) -> None:
+        self.forward_seconds = 0.0
         for _ in range(self.accumulation_steps):
-            _step(self.model, self.inputs, self.loss_fn)
+            self.forward_seconds += _step(self.model, self.inputs, self.loss_fn, self.clock)
         if self.stepping is not None:
             optimizer_step(self.stepping)
 
@@ -178,12 +191,16 @@ def static_bytes(model: nn.Module, inputs: Inputs) -> int:
     return allocations.static_bytes(model, inputs, skip_meta=True)
 
 
-def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn) -> None:
+def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn, clock: torch.device | None) -> float:
+    """One forward and backward; the forward's seconds when ``clock`` is a device, else 0."""
     # Under autocast, each step as in a fresh context: its weight casts are made in it and
     # freed after it (autockpt/base/precision.py), not left cached from the step before.
     with fresh_autocast_cache():
+        start = now(clock) if clock is not None else 0.0
         loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+        forward = now(clock) - start if clock is not None else 0.0
         loss.backward()
+    return forward
 
 
 def _cpu_peak(iteration: Callable[[], None], static: int) -> int:
@@ -200,3 +217,37 @@ def _cuda_peak(iteration: Callable[[], None], device: torch.device, static: int)
     torch.cuda.synchronize(device)
     unrelated = before - static
     return torch.cuda.max_memory_allocated(device) - unrelated
+
+
+def time_steps(
+    modules: list[nn.Module],
+    example_inputs: Any,
+    *,
+    loss_fn: LossFn | None = None,
+    rounds: int = 5,
+) -> list[float]:
+    """Median seconds of a forward + backward of each of ``modules`` (the same model planned
+    differently), timed side by side: each round steps every module once, starting one
+    later each round, so a burst of load on a shared machine falls on all of them. Each
+    module is stepped once untimed first (a compiled one compiles then). The modules, the
+    inputs and the random generators are left as found."""
+    inputs = Inputs.of(example_inputs)
+    loss_fn = loss_fn or default_loss
+    if not modules:
+        return []
+    device = device_of(modules[0], inputs)
+    times: list[list[float]] = [[] for _ in modules]
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(as_found(module, inputs))
+        for module in modules:
+            _step(module, inputs, loss_fn, None)
+            clear_grads(module)
+        for r in range(max(1, rounds)):
+            for k in range(len(modules)):
+                i = (k + r) % len(modules)
+                start = now(device)
+                _step(modules[i], inputs, loss_fn, None)
+                times[i].append(now(device) - start)
+                clear_grads(modules[i])
+    return [statistics.median(t) for t in times]

@@ -251,6 +251,12 @@ class Plan:
     checkpointed unit's own plan, for that unit's graph. Then the graph fields describe the
     units together (``stages`` and ``segments`` named ``unit:node``); empty for a plan of
     one captured graph (and in plans written before this field)."""
+    compile_memory_budget: float | None = None
+    """Where the model came compiled (``optimize(torch.compile(model), ...)``) and the
+    fastest step within the budget was torch.compile's own recompute at this
+    ``activation_memory_budget`` (NOTE [compiled: partitioner budgets]): no segments, the
+    partitioner decides what the compiled step saves, and the peak was measured, compiled.
+    None: the plan's segments are the recompute (and plans written before this field)."""
     as_written_peak_bytes: int | None = None
     """Predicted peak of one step of the model as written, without checkpointing: the
     baseline a user compares with. ``no_checkpoint_peak_bytes`` is the captured graph's,
@@ -375,6 +381,11 @@ class Plan:
         ]
         if self.measured_peak_bytes is not None:
             lines.append(f"measured peak {format_bytes(self.measured_peak_bytes)}")
+        if self.compile_memory_budget is not None:
+            lines.append(
+                "recompute left to torch.compile's partitioner at activation_memory_budget="
+                f"{self.compile_memory_budget:g} (the fastest measured within the budget)"
+            )
         if self.sharding is not None:
             lines.append(
                 f"per rank of {self.world_size} under {self.sharding}"
@@ -413,6 +424,13 @@ def _check_semantics(plan: Plan) -> None:
         raise ValueError(f"solver_status {plan.solver_status!r} is not optimal or feasible")
     if plan.budget_bytes <= 0:
         raise ValueError("budget_bytes must be positive")
+    if plan.compile_memory_budget is not None:
+        if not 0.0 <= plan.compile_memory_budget < 1.0:
+            raise ValueError(
+                f"compile_memory_budget must be in [0, 1), got {plan.compile_memory_budget!r}"
+            )
+        if plan.segments or plan.units:
+            raise ValueError("a plan with compile_memory_budget has no segments or units")
     if plan.accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be >= 1, got {plan.accumulation_steps}")
     if plan.world_size < 1:
@@ -513,6 +531,8 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
             _check_semantics(inner)
             units.append(UnitPlan(item["path"], inner))
         return tuple(units)
+    if name == "compile_memory_budget":
+        return None if value is None else _float(name, value)
     if name == "submodule":
         if value is not None and not (isinstance(value, str) and value):
             raise TypeError(f"submodule must be a non-empty string or null, got {value!r}")

@@ -11,14 +11,16 @@ For every workload in :mod:`benchmarks.e2e_models` and in one process:
   matmul and attention outputs except every second projection matmul) and with every matmul
   and attention output kept (``matmul_sac``); ``checkpoint_sequential`` with sqrt(n)
   segments; Chen's sqrt(L) segments on autockpt's chain; ``torch.compile`` with
-  ``activation_memory_budget`` 0.1 and 0.5;
+  ``activation_memory_budget`` 0.1, 0.3 and 0.5;
 * budgeted methods at every budget: Chen's budget-aware greedy, autockpt (``auto``, which may
   keep chosen operator outputs inside its segments, and ``auto_segments``, segments only),
   autockpt ``dp`` and ``ilp``, PyTorch's selective-checkpoint ILP
   (``torch.distributed._tools.sac_ilp``) and Rockmate where they run. A method that cannot
   run gets a row with the error it raised;
-* ``compile_auto``: ``torch.compile`` of autockpt's model planned for compile_0.5's measured
-  peak (does compiling autockpt's plan keep it within that budget, and is it faster?).
+* ``compile_auto``: autockpt's compiled route, ``autockpt.optimize(torch.compile(model),
+  ...)``, at the measured peak of each compile point (is it within that peak, and no slower
+  than the point? Its candidates include compile's own partitions: NOTE [compiled:
+  partitioner budgets]).
 
 Budgets per model run from the leanest plan autockpt predicts to the no-checkpoint peak and
 include each fixed method's own measured peak (so "at the memory per-block uses" is a real
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import json
 import os
 import platform
@@ -58,6 +61,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+import autockpt  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
 from autockpt.base.runtime import default_loss  # noqa: E402
 from autockpt.capture import Inputs  # noqa: E402
@@ -73,11 +77,15 @@ FIXED = (
     "sequential",
     "sqrt",
     "compile_0.1",
+    "compile_0.3",
     "compile_0.5",
 )
 BUDGETED = ("greedy", "auto", "auto_segments", "dp", "sac_ilp", "rockmate")
 COMPILED_PLAN = "compile_auto"
-"""torch.compile of autockpt's plan at compile_0.5's measured peak (one cell per model)."""
+"""autockpt's compiled route, ``optimize(torch.compile(model), budget)``, at the measured peak
+of each of :data:`COMPILE_POINTS` (one cell per point; NOTE [compiled: partitioner budgets]:
+its candidates are autockpt's plan compiled and compile's own partitions, measured)."""
+COMPILE_POINTS = ("compile_0.1", "compile_0.3", "compile_0.5")
 AUTOCKPT = ("auto", "auto_segments")
 """autockpt's own rows, held to "never over budget": the search under the replay, with and
 without operator outputs kept inside segments (``dp`` is the stage-chain proxy solver, judged
@@ -125,6 +133,9 @@ class Cell:
     measured node seconds plus the recompute; autockpt's rows, none and per-block)."""
     wall_step_seconds: float | None = None
     """Median wall time of a step over the rounds (what the prediction is compared with)."""
+    compile_memory_budget: float | None = None
+    """``compile_auto`` cells: the partitioner budget of compile's own partition autockpt
+    handed back as the fastest within the budget (None: its own plan, compiled)."""
     line: float | None = None
     """At this budget, the straight line between per-block checkpointing and none, as a
     ratio to per-block: what checkpointing a share of the blocks gives (budgets between
@@ -260,15 +271,6 @@ def _compiled(case: Case, fraction: float, inputs: Inputs, device: torch.device)
     default_loss(wrapped(*inputs.args, **inputs.kwargs)).backward()
     _clear(wrapped)
     return wrapped
-
-
-def _compile_planned(module: nn.Module, inputs: Inputs) -> nn.Module:
-    """``torch.compile`` (inductor, default ``activation_memory_budget`` of 1.0) of autockpt's
-    planned model; compiles on the first step, so that step is part of the solve time."""
-    compiled = torch.compile(module, backend=_budget_backend(1.0))
-    default_loss(compiled(*inputs.args, **inputs.kwargs)).backward()
-    _clear(compiled)
-    return compiled
 
 
 def optimize_row(
@@ -582,7 +584,8 @@ def run_case(
             if cell.error is None and cell.plan is not None:
                 measured_plans[_key(cell)] = cell
     if COMPILED_PLAN in methods:
-        add(*_compiled_plan(case, planner, cells, inputs, compile_models, profile_seconds))
+        for cell, module in _compiled_plans(case, cells, inputs, compile_models, device):
+            add(cell, module)
     _interleave(runners, rounds, device)
     for cell, reference in copies:
         cell.times = list(reference.times)
@@ -618,45 +621,54 @@ def line_at(cell: Cell, blocks: Cell, none: Cell) -> float | None:
     return 1 + (ratio - 1) * (cell.budget_bytes - low) / (high - low)
 
 
-def _compiled_plan(
+def _compiled_plans(
     case: Case,
-    planner: Planner,
     cells: list[Cell],
     inputs: Inputs,
     compile_models: tuple[str, ...],
-    profile_seconds: float,
-) -> tuple[Cell, nn.Module | None]:
-    """The :data:`COMPILED_PLAN` cell: autockpt planned for compile_0.5's measured peak, then
-    ``torch.compile`` d; its own measured peak says whether compiling kept it in budget."""
-    reference = next((c for c in cells if c.method == "compile_0.5"), None)
-    cell = Cell(case.name, COMPILED_PLAN, "compile_0.5_peak")
-    if reference is None or reference.measured_peak_bytes is None:
-        cell.error = "needs compile_0.5's measured peak: " + (
-            reference.error or "no peak" if reference else "compile_0.5 not run"
-        )
-        return cell, None
-    cell.budget_bytes = reference.measured_peak_bytes
-    cell.profile_seconds = profile_seconds
-    started = time.perf_counter()
-    module: nn.Module | None = None
-    try:
-        if case.name not in compile_models:
-            raise RuntimeError("skipped: not in the models to compile")
-        with _quiet():
-            planned = optimize_row(planner, cell.budget_bytes, "auto")
-            _record_plan(cell, planned)
-            module = _compile_planned(planned, inputs)
-    except InfeasibleBudgetError as error:
-        cell.error = (
-            f"InfeasibleBudgetError: compile_0.5's peak {error.budget_bytes / 2**20:.2f} MiB "
-            f"is below autockpt's leanest plan ({error.minimum_bytes / 2**20:.2f} MiB predicted)"
-        )
-    except Exception as error:  # noqa: BLE001
-        cell.error = _error_text(error)
-        if os.environ.get("AUTOCKPT_BENCH_TRACEBACK"):
-            traceback.print_exc()
-    cell.solve_seconds = time.perf_counter() - started
-    return cell, module
+    device: torch.device,
+) -> list[tuple[Cell, nn.Module | None]]:
+    """The :data:`COMPILED_PLAN` cells: ``autockpt.optimize(torch.compile(model), ...)`` at
+    the measured peak of each of :data:`COMPILE_POINTS` (one model compiled once, planned
+    per point: later points reuse the profile and the candidates' stored measurements)."""
+    out: list[tuple[Cell, nn.Module | None]] = []
+    compiled: nn.Module | None = None
+    example: Any = None
+    for point in COMPILE_POINTS:
+        reference = next((c for c in cells if c.method == point), None)
+        cell = Cell(case.name, COMPILED_PLAN, f"{point}_peak")
+        out.append((cell, None))
+        if reference is None or reference.measured_peak_bytes is None:
+            cell.error = f"needs {point}'s measured peak: " + (
+                reference.error or "no peak" if reference else f"{point} not run"
+            )
+            continue
+        cell.budget_bytes = reference.measured_peak_bytes
+        started = time.perf_counter()
+        try:
+            if case.name not in compile_models:
+                raise RuntimeError("skipped: not in the models to compile")
+            if compiled is None:
+                built, example = case.build()
+                compiled = torch.compile(built.to(device))
+            with _quiet():
+                module = autockpt.optimize(compiled, example, budget_gb=cell.budget_bytes / GIB)
+            _record_plan(cell, module)
+            cell.compile_memory_budget = module.plan.compile_memory_budget
+            cell.predicted_peak_bytes = module.plan.measured_peak_bytes
+            cell.predicted_step_seconds = None  # measured while planning, not predicted
+            out[-1] = (cell, module)
+        except InfeasibleBudgetError as error:
+            cell.error = (
+                f"InfeasibleBudgetError: {point}'s peak {error.budget_bytes / 2**20:.2f} MiB "
+                f"is below every compiled candidate ({error.minimum_bytes / 2**20:.2f} MiB)"
+            )
+        except Exception as error:  # noqa: BLE001
+            cell.error = _error_text(error)
+            if os.environ.get("AUTOCKPT_BENCH_TRACEBACK"):
+                traceback.print_exc()
+        cell.solve_seconds = time.perf_counter() - started
+    return out
 
 
 def _record_plan(cell: Cell, module: nn.Module) -> None:
@@ -876,33 +888,43 @@ def _fastest_fitting(mine: list[Cell], cell: Cell) -> Cell | None:
 
 
 def _compile_targets(model: str, mine: list[Cell]) -> list[Target]:
-    """``compile_auto`` (autockpt's plan for compile_0.5's peak, compiled): within that
-    budget, and no slower than compile_0.5."""
-    cell = next((c for c in mine if c.method == COMPILED_PLAN), None)
-    reference = next((c for c in mine if c.method == "compile_0.5"), None)
-    if cell is None:
-        return []
-    label = cell.budget_label
-    if cell.error or cell.measured_peak_bytes is None or not cell.budget_bytes:
-        note = _why_missing(cell, reference)
-        return [
-            Target(model, COMPILED_PLAN, "within compile_0.5's peak", label, None, 1.0, None, note),
-            Target(model, COMPILED_PLAN, "step <= compile_0.5", label, None, 1.0, None, note),
-        ]
-    fraction = cell.measured_peak_bytes / cell.budget_bytes
-    within = Target(
-        model,
-        COMPILED_PLAN,
-        "within compile_0.5's peak",
-        label,
-        fraction,
-        1.0,
-        fraction <= 1.0,
-        f"peak {_mib(cell.measured_peak_bytes)} MiB of {_mib(cell.budget_bytes)} MiB",
-    )
-    assert reference is not None  # the cell has a budget only when compile_0.5 measured one
-    faster = _peer_target(model, COMPILED_PLAN, "step <= compile_0.5", label, cell, reference)
-    return [within, faster]
+    """Each ``compile_auto`` cell (autockpt's compiled route at a compile point's measured
+    peak): within that peak, and no slower than the point."""
+    out: list[Target] = []
+    for cell in (c for c in mine if c.method == COMPILED_PLAN):
+        point = cell.budget_label.removesuffix("_peak")
+        reference = next((c for c in mine if c.method == point), None)
+        label = cell.budget_label
+        within_name, faster_name = f"within {point}'s peak", f"step <= {point}"
+        if cell.error or cell.measured_peak_bytes is None or not cell.budget_bytes:
+            note = _why_missing(cell, reference)
+            out += [
+                Target(model, COMPILED_PLAN, within_name, label, None, 1.0, None, note),
+                Target(model, COMPILED_PLAN, faster_name, label, None, 1.0, None, note),
+            ]
+            continue
+        fraction = cell.measured_peak_bytes / cell.budget_bytes
+        out.append(
+            Target(
+                model,
+                COMPILED_PLAN,
+                within_name,
+                label,
+                fraction,
+                1.0,
+                fraction <= 1.0,
+                f"peak {_mib(cell.measured_peak_bytes)} MiB of {_mib(cell.budget_bytes)} MiB",
+            )
+        )
+        assert reference is not None  # the cell has a budget only when the point measured one
+        faster = _peer_target(model, COMPILED_PLAN, faster_name, label, cell, reference)
+        if cell.compile_memory_budget is not None:
+            chosen = f"handed back compile's own partition at {cell.compile_memory_budget:g}"
+            faster = dataclasses.replace(
+                faster, note="; ".join(n for n in (chosen, faster.note) if n)
+            )
+        out.append(faster)
+    return out
 
 
 def _peer_target(
@@ -1083,6 +1105,7 @@ _STYLE = {
     "sequential": ("tab:orange", "v"),
     "sqrt": ("tab:brown", "^"),
     "compile_0.1": ("tab:purple", "P"),
+    "compile_0.3": ("orchid", "v"),
     "compile_0.5": ("tab:pink", "X"),
     "greedy": ("tab:olive", "x"),
     "auto": ("tab:blue", "o"),

@@ -298,6 +298,35 @@ def test_targets_of_the_compiled_plan() -> None:
     assert "never over budget" not in targets  # the compiled model has its own budget target
 
 
+def test_each_compile_point_gets_its_own_compiled_targets() -> None:
+    """One ``compile_auto`` cell per compile point, each held to its own point; a cell
+    that handed back compile's own partition says so."""
+    cells = [
+        e2e.Cell("m", "compile_0.1", measured_peak_bytes=90, times=[1.0, 1.0]),
+        e2e.Cell("m", "compile_0.3", measured_peak_bytes=120, times=[1.0, 1.0]),
+        e2e.Cell(
+            "m",
+            "compile_auto",
+            "compile_0.1_peak",
+            90,
+            measured_peak_bytes=90,
+            times=[1.0, 1.0],
+            compile_memory_budget=0.1,
+        ),
+        e2e.Cell(
+            "m", "compile_auto", "compile_0.3_peak", 120, measured_peak_bytes=100, times=[0.8, 0.8]
+        ),
+    ]
+    targets = {(t.budget_label, t.target): t for t in e2e.evaluate_targets(cells)}
+    assert targets[("compile_0.1_peak", "step <= compile_0.1")].value == pytest.approx(1.0)
+    assert (
+        "compile's own partition at 0.1"
+        in targets[("compile_0.1_peak", "step <= compile_0.1")].note
+    )
+    assert targets[("compile_0.3_peak", "step <= compile_0.3")].value == pytest.approx(0.8)
+    assert targets[("compile_0.3_peak", "within compile_0.3's peak")].met is True
+
+
 class _Planner:
     """Records what ``optimize`` was called with."""
 

@@ -29,6 +29,7 @@ from autockpt.errors import (
     CompileWarning,
 )
 from autockpt.rewrite import CheckpointSegment, is_checkpointed, segments_of
+from autockpt.rewrite.apply import compiled_backend
 from autockpt_zoo.toy import gpt
 from tests.conftest import assert_same_step, budget_gb_between, quiet_planner, train_step
 
@@ -269,8 +270,10 @@ def test_optimize_keeps_the_models_torch_compile(planned_net, fresh_dynamo):
     model, x, planner = planned_net
     budget_gb = budget_gb_between(planner, 0.5)
     given = torch.compile(copy.deepcopy(model), backend="aot_eager")
-    fast = autockpt.optimize(given, x, budget_gb=budget_gb)
-    assert type(fast) is type(given) and fast.dynamo_ctx is given.dynamo_ctx
+    # autockpt's plan alone (compile's own partitions as candidates: tests/test_compiled.py)
+    fast = autockpt.optimize(given, x, budget_gb=budget_gb, compile_budgets=())
+    # compiled with the user's backend (and its mode and options), in a context of its own
+    assert type(fast) is type(given) and compiled_backend(fast) is compiled_backend(given)
     assert is_checkpointed(fast._orig_mod) and fast.plan.segments
     # Verified as handed back: compiled.
     assert fast.plan.measured_peak_bytes <= fast.plan.budget_bytes

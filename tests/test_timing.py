@@ -18,7 +18,15 @@ import autockpt
 from autockpt.api import Planner
 from autockpt.capture import Inputs, capture
 from autockpt.costs.profile import profile
-from autockpt.costs.timing import Timing, lookup, segment_seconds, settle, store_dir, timing_key
+from autockpt.costs.timing import (
+    STEP_FACTOR_RANGE,
+    Timing,
+    lookup,
+    segment_seconds,
+    settle,
+    store_dir,
+    timing_key,
+)
 from autockpt_zoo.toy import ZOO, gpt
 from solvers.search import recompute_seconds
 
@@ -36,7 +44,8 @@ def _mlp(width: int) -> nn.Module:
 
 def test_the_solver_ranks_by_the_seconds_the_plan_reports(store):
     """Recompute seconds under the search's chain (what it minimises) and the predictor's
-    (what the plan reports) are the same numbers: the probe's measured forward seconds,
+    (what the plan reports) are the same numbers up to one positive constant (the step's
+    forward factor, NOTE [timing: step factors]): the probe's measured forward seconds,
     plus the measured fixed cost per segment."""
     model, example = ZOO["gpt"]()
     planner = Planner(model, example, loss_fn=lambda out: out[1], cache=False)
@@ -49,8 +58,12 @@ def test_the_solver_ranks_by_the_seconds_the_plan_reports(store):
     plan = planner.optimize(budget_gb=budget / autockpt.errors.GIB).plan
     segments = [(s.start_stage, s.end_stage) for s in plan.segments]
     if not any(s.kept_ops for s in plan.segments):
+        factor = planner.profile.forward_factor
+        assert factor != 1.0  # the verified plan timed its step
         assert math.isclose(
-            recompute_seconds(chain, segments), plan.predicted_recompute_seconds, rel_tol=1e-9
+            factor * recompute_seconds(chain, segments),
+            plan.predicted_recompute_seconds,
+            rel_tol=1e-9,
         )
     assert any("ranked by the seconds this plan reports" in note for note in plan.notes)
 
@@ -167,3 +180,59 @@ def test_clear_cache_stored_deletes_the_stored_times(store):
     assert lookup("z" * 32, 1) is not None  # the in-process cache only
     autockpt.clear_cache(stored=True)
     assert lookup("z" * 32, 1) is None
+
+
+def test_the_first_verified_plan_times_its_step_and_later_plans_predict_by_it(store):
+    """NOTE [timing: step factors]: the first verified plan stores how its step ran
+    against the nodes timed alone; its own prediction is then its timed step (unless a
+    factor was clamped), and a planner of another process (no in-process cache) reads the
+    factors, reports by them and ranks the same plans."""
+    model, example = gpt(layers=4, dim=64, vocab_size=128, seq_len=32, batch=4, dropout=0.0)
+    loss_fn = lambda out: out[1]  # noqa: E731
+    first = Planner(model, example, loss_fn=loss_fn, cache=False)
+    assert first.profile.timing is not None and first.profile.timing.factors is None
+    budget = (first.minimum_peak_bytes + first.no_checkpoint_peak_bytes) // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = first.optimize(budget_gb=budget / autockpt.errors.GIB).plan
+    factors = first.profile.timing.factors
+    assert factors is not None
+    assert plan.measured_step_seconds == factors.measured_step
+    stored = Path(first.profile.timing.stored).with_suffix(".step.json")
+    assert json.loads(stored.read_text())["forward"] == factors.forward
+    low, high = STEP_FACTOR_RANGE
+    if low < factors.forward < high and low < factors.backward < high:
+        assert math.isclose(plan.predicted_step_seconds, factors.measured_step, rel_tol=1e-9)
+    assert math.isclose(first.step_seconds, first.profile.timing.step_seconds())
+
+    second = Planner(model, example, loss_fn=loss_fn, cache=False)
+    assert second.profile.timing.factors == factors
+    tighter = (first.minimum_peak_bytes + budget) // 2
+    ranked_first = first.solve(tighter)
+    ranked_second = second.solve(tighter)
+    assert ranked_first.segments == ranked_second.segments
+    assert ranked_first.kept == ranked_second.kept
+    assert math.isclose(
+        second.recompute_seconds(ranked_second.segments, ranked_second.kept),
+        factors.forward * ranked_second.recompute_seconds,
+        rel_tol=1e-9,
+    ) or any(ranked_second.kept)
+
+
+def test_step_factors_are_clamped_and_published_once(store):
+    """A step timed during a burst of load cannot make later predictions absurd, and the
+    first stored factors stay (published once, like the node times)."""
+    from autockpt.costs.timing import settle_factors, step_factors
+
+    timing = settle("f" * 32, Timing((0.01, 0.01), (0.02, 0.02), 1e-4))
+    absurd = step_factors(timing, 0.0, measured_forward=10.0, measured_step=10.0)
+    assert (absurd.forward, absurd.backward) == (STEP_FACTOR_RANGE[1], STEP_FACTOR_RANGE[0])
+    sensible = step_factors(timing, 0.005, measured_forward=0.03, measured_step=0.09)
+    assert math.isclose(sensible.forward, 1.5)
+    assert math.isclose(sensible.backward, (0.09 - 0.03 - 1.5 * 0.005 - 0) / 0.04)
+    kept = settle_factors(timing, sensible)
+    assert kept.factors == sensible and kept.forward_factor == 1.5
+    again = settle_factors(timing, absurd)
+    assert again.factors == sensible  # the first file stays
+    assert lookup("f" * 32, 2).factors == sensible
+    assert math.isclose(kept.step_seconds(), 1.5 * 0.02 + sensible.backward * 0.04)

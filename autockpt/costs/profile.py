@@ -26,6 +26,7 @@ trace in training.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import statistics
 from collections.abc import Callable
@@ -159,6 +160,17 @@ class Profile:
         unique = {s for node in self.nodes for s in node.saved}
         return sum(self.storage_bytes[s] for s in unique)
 
+    def with_timing(self, timing: Timing) -> Profile:
+        """This profile reporting by ``timing`` (the same node seconds, with step factors
+        found or measured since: NOTE [timing: step factors])."""
+        return dataclasses.replace(self, timing=timing, step_seconds=timing.step_seconds())
+
+    @property
+    def forward_factor(self) -> float:
+        """What reported recompute seconds are the ranked ones multiplied by (NOTE [timing:
+        step factors]; 1 until a verified plan timed its step, or when nothing is stored)."""
+        return self.timing.forward_factor if self.timing is not None else 1.0
+
     @property
     def segment_overhead_seconds(self) -> float:
         """Fixed cost of one checkpoint segment, in the units of ``cost_seconds``: measured
@@ -278,7 +290,7 @@ def profile(
         fwd_times, bwd_times = list(timing.forward), list(timing.backward)
         if timing.ranks:  # else: nothing stored, the cost model ranks
             costs = fwd_times
-        step_seconds = sum(fwd_times) + sum(bwd_times) + timing.loss
+        step_seconds = timing.step_seconds()  # at the step factors, once stored
     profiles = tuple(
         NodeProfile(
             name=node.name,

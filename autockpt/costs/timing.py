@@ -54,6 +54,14 @@ and a step is timed as the median of steps (the sum of every node's minimum was 
 below the measured median step of a GPT on a 2-core CPU; docs/design.md "One time
 model")."""
 
+STEP_ROUNDS = 5
+"""Timed steps of the first verified plan (after one untimed step): their median forward
+and step times give the step factors (NOTE [timing: step factors])."""
+
+STEP_FACTOR_RANGE = (0.2, 5.0)
+"""Factors outside it are clamped: a step timed during a burst of load on a shared machine
+must not make every later prediction of the model absurd."""
+
 STORE_VERSION = 1
 """Bumped when what a stored file means changes: older files are then not read."""
 
@@ -72,6 +80,9 @@ class Timing:
     """The file the seconds were read from or written to (None: nothing stored)."""
     reused: bool = False
     """Whether an earlier process measured them (this one's own times were not used)."""
+    factors: StepFactors | None = None
+    """How the step ran against its nodes timed alone, once a verified plan timed it
+    (NOTE [timing: step factors]; None: not yet, or nothing stored)."""
 
     @property
     def ranks(self) -> bool:
@@ -81,6 +92,114 @@ class Timing:
 
     def stored_at(self, path: str) -> Timing:
         return dataclasses.replace(self, stored=path, reused=False)
+
+    @property
+    def forward_factor(self) -> float:
+        """What reported forward and recompute seconds are the nodes' times multiplied by."""
+        return self.factors.forward if self.factors is not None and self.ranks else 1.0
+
+    @property
+    def backward_factor(self) -> float:
+        return self.factors.backward if self.factors is not None and self.ranks else 1.0
+
+    def step_seconds(self) -> float:
+        """The step without checkpointing as reported: forward and backward node seconds at
+        their factors, plus the loss."""
+        return (
+            self.forward_factor * sum(self.forward)
+            + self.backward_factor * sum(self.backward)
+            + self.loss
+        )
+
+    def with_stored_factors(self) -> Timing:
+        """This timing with the factors stored beside it, if a verified plan stored any."""
+        if self.stored is None or self.factors is not None:
+            return self
+        found = _read_factors(_factors_path(self.stored))
+        return self if found is None else dataclasses.replace(self, factors=found)
+
+
+@dataclass(frozen=True)
+class StepFactors:
+    """Measured step against the node times (NOTE [timing: step factors])."""
+
+    forward: float
+    backward: float
+    measured_forward: float
+    """The timed step's forward and whole step (seconds), and the plan's recompute seconds
+    (ranked, before factors) they were read against: what the factors came from."""
+    measured_step: float
+    recompute: float
+
+
+def step_factors(
+    timing: Timing, recompute: float, measured_forward: float, measured_step: float
+) -> StepFactors:
+    """The factors of NOTE [timing: step factors] from one timed plan whose ranked
+    recompute seconds are ``recompute``."""
+    low, high = STEP_FACTOR_RANGE
+    forward = min(high, max(low, measured_forward / max(sum(timing.forward), 1e-9)))
+    backward_measured = measured_step - measured_forward - forward * recompute - timing.loss
+    backward = min(high, max(low, backward_measured / max(sum(timing.backward), 1e-9)))
+    return StepFactors(forward, backward, measured_forward, measured_step, recompute)
+
+
+def settle_factors(timing: Timing, factors: StepFactors) -> Timing:
+    """``timing`` with the factors every process uses: those already stored beside it, else
+    ``factors``, stored now (published once, like the node times)."""
+    if timing.stored is None:
+        return timing
+    path = _factors_path(timing.stored)
+    publish(path, {"version": STORE_VERSION, **dataclasses.asdict(factors)})
+    found = _read_factors(path)
+    return dataclasses.replace(timing, factors=found or factors)
+
+
+def _factors_path(stored: str) -> Path:
+    return Path(stored).with_suffix(".step.json")
+
+
+def _read_factors(path: Path) -> StepFactors | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != STORE_VERSION:
+            return None
+        return StepFactors(*(float(data[f.name]) for f in dataclasses.fields(StepFactors)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def stored_beside(timing: Timing | None, suffix: str) -> Path | None:
+    """A file stored beside ``timing``'s node seconds (same key, ``suffix`` added), where
+    other measurements of the same request on this machine are published once too; None
+    where nothing is stored."""
+    if timing is None or timing.stored is None:
+        return None
+    return Path(timing.stored).with_suffix(f".{suffix}.json")
+
+
+def read_stored(path: Path) -> dict[str, Any] | None:
+    """A file :func:`publish` wrote (None: none, unreadable, or of another version)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == STORE_VERSION else None
+
+
+def publish(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` to ``path`` atomically unless a file is there already (then the
+    first writer's stays: NOTE [timing: stored]); a store that cannot be written is left."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
+            json.dump(payload, out)
+        try:
+            os.link(out.name, path)  # atomic, and never over an existing file
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(out.name)
 
 
 def store_dir() -> Path | None:
@@ -163,23 +282,14 @@ def settle(key: str, measured: Timing) -> Timing:
     if folder is None:
         return measured
     path = folder / f"{key}.json"
-    with contextlib.suppress(OSError):
-        folder.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "version": STORE_VERSION,
-            "forward": list(measured.forward),
-            "backward": list(measured.backward),
-            "segment": measured.segment,
-            "loss": measured.loss,
-        }
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as out:
-            json.dump(payload, out)
-        try:
-            os.link(out.name, path)  # atomic, and never over an existing file
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(out.name)
+    payload = {
+        "version": STORE_VERSION,
+        "forward": list(measured.forward),
+        "backward": list(measured.backward),
+        "segment": measured.segment,
+        "loss": measured.loss,
+    }
+    publish(path, payload)
     found = _read(path, len(measured.forward))
     if found is None:
         return measured
@@ -201,7 +311,7 @@ def _read(path: Path, nodes: int) -> Timing | None:
         loss=float(data.get("loss", 0.0)),
         stored=str(path),
         reused=True,
-    )
+    ).with_stored_factors()
 
 
 def segment_seconds(device: torch.device, rounds: int = 50) -> float:

@@ -292,3 +292,15 @@ def _optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Any
         for group in optimizer.param_groups
     )
     return (type(optimizer), groups, repr(sorted(optimizer.defaults.items())))
+
+
+def remember_profile(model: nn.Module, found: Hashable | None, profile: Profile) -> None:
+    """Replace the profile of the entry for ``found`` (kept for ``model``) with ``profile``:
+    the same node seconds, with step factors measured since (NOTE [timing: step
+    factors])."""
+    if found is None:
+        return
+    with _lock:
+        entry = _entries.get(found)
+        if entry is not None and entry[0]() is model:
+            _entries[found] = (entry[0], dataclasses.replace(entry[1], profile=profile))

@@ -210,6 +210,19 @@ def _notes(
                 f"{'measured by an earlier process and ' if timing.reused else ''}stored in "
                 f"{timing.stored} (reruns on this machine rank by the same seconds)"
             )
+            factors = timing.factors
+            if factors is not None:
+                notes.append(
+                    f"predicted seconds at the step factors forward {factors.forward:.3f}, "
+                    f"backward {factors.backward:.3f}: a plan's step timed at "
+                    f"{factors.measured_step * 1e3:.2f} ms against its nodes timed alone "
+                    "(NOTE [timing: step factors]); the ranking is unchanged by them"
+                )
+            else:
+                notes.append(
+                    "predicted seconds are the nodes' timed alone: no plan of this model has "
+                    "timed its step on this machine yet (NOTE [timing: step factors])"
+                )
         else:
             notes.append(
                 "segments ranked by a cost model of FLOPs and bytes (nothing stored: "

@@ -107,7 +107,10 @@ class Predictor:
             if i not in skipped
         )
         seconds += self.keep_overhead * len(skipped)  # keeping is not free either
-        return seconds + prof.segment_overhead_seconds * len(segments)
+        seconds += prof.segment_overhead_seconds * len(segments)
+        # at the step's forward factor: one positive constant, the ranking's order kept
+        # (NOTE [timing: step factors])
+        return prof.forward_factor * seconds
 
     def simulate(self, segments: Sequence[StageRange]) -> Simulation:
         """The prediction for checkpointing the given stage ranges: the stage proxy's

@@ -266,6 +266,9 @@ def prepare(
         phases.stop()
         prof, trace = reused
         logger.info("profile and record: reused from an earlier call (autockpt.clear_cache())")
+        if prof.timing is not None and prof.timing.factors is None:
+            # another process (or an earlier planner) may have timed a step since
+            prof = prof.with_timing(prof.timing.with_stored_factors())
     else:
         phases.start("profile", "profiling (fake tensors, then node by node on the device)")
         prof = profile(

@@ -15,6 +15,7 @@ user's module it was made from.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -69,11 +70,8 @@ def unwrap(model: Any) -> tuple[nn.Module, Callable[[nn.Module], nn.Module]]:
     hand_back: Callable[[nn.Module], nn.Module] = same
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # nothing is compiled without it
     if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
-        wrapper, context = type(model), model.dynamo_ctx
+        hand_back = CompiledHandBack(model.dynamo_ctx)
         model = model._orig_mod
-
-        def hand_back(result: nn.Module) -> nn.Module:
-            return wrapper(result, context)
 
     if getattr(model, "_compiled_call_impl", None) is not None:
         raise CompileError(
@@ -92,6 +90,112 @@ def same(result: nn.Module) -> nn.Module:
     return result
 
 
+RECOMPILE_LIMIT = 1024
+"""dynamo's recompile limit for results compiled at a partitioner budget (the user's
+compile keeps its own setting)."""
+
+
+class PartitionerBudget:
+    """A ``torch.compile`` backend: the user's, compiling with
+    ``torch._functorch.config.activation_memory_budget`` patched to ``fraction`` (NOTE
+    [compiled: partitioner budgets]). The partitioner reads the setting when a graph is
+    compiled, which is lazy (at a first call, or a recompile after a guard fails), so it is
+    patched in the backend, not around one call. Compile caches are off inside it: a cached
+    graph of another budget must not be handed back for this one."""
+
+    def __init__(self, inner: Callable[..., Any], fraction: float | None, context: Any) -> None:
+        self.inner, self.fraction = inner, fraction
+        self.context = context
+        """The dynamo context the user compiled with: what a re-plan hands back with."""
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        import torch._functorch.config as functorch_config
+        import torch._inductor.config as inductor_config
+
+        if self.fraction is None:  # the user's own setting: nothing patched
+            return self.inner(graph, example_inputs)
+        with (
+            functorch_config.patch(activation_memory_budget=self.fraction),
+            inductor_config.patch(force_disable_caches=True),
+        ):
+            return self.inner(graph, example_inputs)
+
+    def __repr__(self) -> str:
+        return f"PartitionerBudget({self.inner!r}, {self.fraction})"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledHandBack:
+    """How a result goes back to a user who gave ``torch.compile(m)``: compiled again with
+    the same dynamo context (backend, mode, options, ``dynamic``, ``fullgraph``)."""
+
+    context: Any
+
+    def __post_init__(self) -> None:
+        backend = _backend_of(self.context)
+        if isinstance(backend, PartitionerBudget):  # a result of ours: the user's context
+            object.__setattr__(self, "context", backend.context)
+
+    def __call__(self, result: nn.Module) -> nn.Module:
+        return self.at_budget(result, None)
+
+    def at_budget(self, result: nn.Module, fraction: float | None) -> nn.Module:
+        """``result`` compiled with the user's backend and options, its partitioner at
+        ``activation_memory_budget=fraction`` (None: the user's setting), in a dynamo
+        context of its own (its own cache entries and recompile limit: every result runs
+        one shared forward, which dynamo compiles once per result object; under the
+        user's context a budget sweep used up its limit of 8 and the next result silently
+        ran eagerly)."""
+        budget = PartitionerBudget(_backend_of(self.context), fraction, self.context)
+        options: dict[str, Any] = {
+            "fullgraph": bool(getattr(self.context, "fullgraph", False)),
+            "dynamic": getattr(self.context, "_dynamic", None),
+        }
+        accepted = inspect.signature(torch.compile).parameters
+        if "isolate_recompiles" in accepted:
+            # their own cache entries: the user's compile reaching its limit on the shared
+            # forward must not make dynamo skip it for these too
+            options["isolate_recompiles"] = True
+        if "recompile_limit" in accepted:
+            # every result runs one shared forward, compiled once per result object (and
+            # again when its plan is replaced): a partition-only result must not fall
+            # back to eager, which checkpoints nothing, when a budget sweep used up
+            # dynamo's default limit of 8
+            options["recompile_limit"] = RECOMPILE_LIMIT
+        return torch.compile(result, backend=budget, **options)
+
+    @property
+    def backend_name(self) -> str:
+        """What the backend is, for the store's key and the plan's notes."""
+        backend = _backend_of(self.context)
+        name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
+        return str(name or type(backend).__name__)
+
+
+def _backend_of(context: Any) -> Any:
+    """The compiler function inside a dynamo context (``torch.compile``'s ``backend``)."""
+    from torch._dynamo.eval_frame import innermost_backend
+
+    backend = innermost_backend(context.callback)
+    inner = getattr(backend, "compiler_fn", None)  # torch.compile's wrapper of a callable
+    return inner if isinstance(inner, PartitionerBudget) else backend
+
+
+def compile_budget(module: nn.Module) -> float | None:
+    """The partitioner budget a module handed back compiled runs at (None: the user's)."""
+    context = getattr(module, "dynamo_ctx", None)
+    if context is None:
+        return None
+    backend = _backend_of(context)
+    return backend.fraction if isinstance(backend, PartitionerBudget) else None
+
+
+def compiled_backend(module: nn.Module) -> Any:
+    """The user's backend a module handed back compiled runs (under our wrapper, if any)."""
+    backend = _backend_of(module.dynamo_ctx)
+    return backend.inner if isinstance(backend, PartitionerBudget) else backend
+
+
 def apply_plan(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module:
     """``autockpt.apply``: re-apply a saved plan to ``model`` without profiling or solving,
     leaving the model, the inputs and the random generators as found."""
@@ -105,6 +209,13 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autockpt.Plan, got {type(plan).__name__}")
     inputs = Inputs.of(example_inputs).as_called(model) if example_inputs is not None else None
+    if plan.compile_memory_budget is not None and not isinstance(hand_back, CompiledHandBack):
+        raise PlanMismatchError(
+            "this plan leaves recompute to torch.compile's partitioner "
+            f"(activation_memory_budget={plan.compile_memory_budget:g}) and has no segments: "
+            "run eagerly it would not checkpoint anything. Apply it to the compiled model: "
+            "autockpt.apply(torch.compile(model), plan, ...)"
+        )
     if plan.units:  # the root runs eagerly around planned units (planning/nested.py)
         return hand_back(apply_units(model, plan, inputs))
     if plan.submodule is not None:  # the root runs eagerly around a planned submodule
@@ -155,7 +266,12 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     specs = segment_specs_from_plan(captured, plan)
     # Calls are checked against the planned inputs (their shapes are in the plan).
     planned = inputs if inputs is not None else planned_inputs(plan.input_signature)
-    result = hand_back(rewrite_for_training(model, captured, specs, planned))
+    rewritten = rewrite_for_training(model, captured, specs, planned)
+    if plan.compile_memory_budget is not None:
+        assert isinstance(hand_back, CompiledHandBack)
+        result = hand_back.at_budget(rewritten, plan.compile_memory_budget)
+    else:
+        result = hand_back(rewritten)
     result.plan = plan
     return result
 

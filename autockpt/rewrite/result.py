@@ -253,6 +253,23 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
     if torch.compiler.is_compiling():
         budget = state.plan.budget_bytes if state.plan is not None else None
         _warn_if_compiled_unverified(state.code, state.warned, type(self).__name__, budget)
+    elif state.plan is not None and state.plan.compile_memory_budget is not None:
+        # NOTE [compiled: partitioner budgets]: no segments, the partitioner recomputes;
+        # run eagerly (dynamo gave up on it) the step checkpoints nothing
+        state.warn_once(
+            "ran eagerly",
+            (
+                f"{type(self).__name__}'s plan leaves recompute to torch.compile's partitioner "
+                f"(activation_memory_budget={state.plan.compile_memory_budget:g}), but this "
+                "training call runs eagerly: it checkpoints nothing and is not within the "
+                f"budget ({state.plan.budget_bytes} bytes). Dynamo ran it without compiling "
+                "(its recompile limit reached, torch.compiler.disable, or an eager call of "
+                "the module inside); torch._dynamo.reset() and a fresh call compile it again "
+                "(docs/integrations.md, torch.compile)"
+            ),
+            stacklevel=5,
+            category=CompileWarning,
+        )
     given = without_defaults(state.signature, kwargs)  # the call as the graph knows it
     if state.planned is not None:
         call = _call_shape(state.signature, args, given)

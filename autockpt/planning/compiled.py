@@ -1,0 +1,240 @@
+"""A compiled model's fastest step within the budget: autockpt's plan, or torch.compile's own
+recompute told what peak to hit.
+
+NOTE [compiled: partitioner budgets]. ``torch.compile`` has its own recompute knob,
+``torch._functorch.config.activation_memory_budget``: a fraction of the bytes its min-cut
+partitioner would save, not a peak. Its measured peak is not even monotone in it (a GPT on
+a CPU: 0.1 -> 91.5 MiB, 0.3 -> 107.2, 0.5 -> 79.1), and inductor's fused kernels make its
+recompute cheaper than the same recompute in eager segments: at compile's own 0.5 point,
+autockpt's plan compiled took 1.06-1.10x compile's step. So when the model came compiled
+(``optimize(torch.compile(model), ...)``) the candidates are autockpt's verified plan,
+compiled as the user compiled it, and the model compiled at each partitioner budget of
+``compile_budgets`` (0.1, 0.3, 0.5 by default); each is *measured* compiled (peak by the
+allocator, step time side by side with the others), and the fastest whose measured peak
+fits the budget is handed back. That turns compile's fraction into a real peak, and at
+each of compile's own points its own partition is a candidate, so the answer is at least
+as fast as the knob there (up to the clock's noise), and never over the budget.
+
+Why measured, not predicted: the partitioner's choice and inductor's buffer reuse are not
+in the replay (which models eager steps); measuring is what "verified compiled" already
+meant. Budget 1.0 (the partition that saves everything) is never a candidate: that is the
+un-checkpointed step, which planning never runs; autockpt's plan with no segments is.
+
+Determinism: like node seconds (NOTE [timing: stored]), each candidate's measured peak and
+seconds are published once per machine beside the model's node times, keyed by the
+candidate (the backend and its options, the fraction, or the plan's segments); a later
+process reads them instead of compiling and timing again, so the same request picks the
+same candidate. Without a store each process measures its own (the plan notes say so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from autockpt.costs.timing import STORE_VERSION, Timing, publish, read_stored, stored_beside
+
+COMPILE_BUDGETS: tuple[float, ...] = (0.1, 0.3, 0.5)
+"""The partitioner budgets tried by default: the points users set and issue reports name."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the compiled step: ``fraction`` None is autockpt's plan compiled as
+    the user compiled it; otherwise no segments and the partitioner at ``fraction``."""
+
+    module: nn.Module
+    fraction: float | None
+    key: str
+    """What the store knows this candidate by (backend, options, fraction or segments)."""
+
+    @property
+    def label(self) -> str:
+        if self.fraction is None:
+            return "autockpt's plan, compiled"
+        return f"torch.compile at activation_memory_budget={self.fraction:g}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A candidate's measured compiled step: its peak in the budget's scope (None: it ran
+    out of device memory) and its median seconds (None: not timed, over the budget)."""
+
+    budgeted_bytes: int | None
+    peak_bytes: int | None
+    seconds: float | None
+    stored: bool = False
+    """Read from the store (measured by an earlier process on this machine)."""
+
+
+def candidate_key(backend: str, fraction: float | None, segments: object) -> str:
+    """The store key of a candidate: the backend (name and options), and the fraction or,
+    for autockpt's plan, its segments and kept operators."""
+    described = json.dumps(
+        {"backend": backend, "fraction": fraction, "plan": repr(segments)}, sort_keys=True
+    )
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
+
+
+def fastest_within(
+    candidates: Sequence[Candidate],
+    budget_bytes: int,
+    timing: Timing | None,
+    measure_peak: Callable[[nn.Module], tuple[int, int]],
+    time_side_by_side: Callable[[list[nn.Module]], list[float]],
+) -> tuple[int | None, list[Run]]:
+    """The index of the fastest candidate whose measured peak fits ``budget_bytes`` (None:
+    none fits), and every candidate's run. ``measure_peak(module)`` gives (budgeted bytes,
+    peak bytes) of one compiled step; ``time_side_by_side`` the median seconds of each.
+
+    Peaks and seconds stored beside ``timing`` are read; new ones are published (first
+    writer wins), peaks and seconds apart: a candidate over this budget is not timed, and
+    may be at a larger one. A candidate that is timed here or handed back has its own peak
+    measured here first, whatever is stored: a compiled module can run eagerly (dynamo
+    gives up on a frame after its recompile limit), and then it keeps everything; such a
+    step is over the budget and neither timed nor chosen."""
+    runs: list[Run] = []
+    now: set[int] = set()  # candidates whose own step was measured in this call
+
+    def measure(k: int) -> Run:
+        found = _peak(candidates[k], measure_peak)
+        now.add(k)
+        if found["budgeted_bytes"] is not None:  # one out of memory may fit another time
+            _settled(timing, candidates[k], "peak", lambda: found)
+        return Run(found["budgeted_bytes"], found["peak_bytes"], None)
+
+    for k, candidate in enumerate(candidates):
+        stored = _read(timing, candidate, "peak")
+        if stored is None:
+            runs.append(measure(k))
+        else:
+            runs.append(Run(stored.get("budgeted_bytes"), stored.get("peak_bytes"), None, True))
+
+    def fits(k: int) -> bool:
+        budgeted = runs[k].budgeted_bytes
+        return budgeted is not None and budgeted <= budget_bytes
+
+    to_time = []
+    for k in range(len(candidates)):
+        if fits(k) and _read(timing, candidates[k], "time") is None:
+            if k not in now:
+                runs[k] = measure(k)  # this module's own compiled step, before timing it
+            if fits(k):
+                to_time.append(k)
+    if to_time:
+        measured = time_side_by_side([candidates[k].module for k in to_time])
+        for k, seconds in zip(to_time, measured, strict=True):
+            _settled(timing, candidates[k], "time", lambda s=seconds: {"seconds": s})
+    while True:
+        ranked = []
+        for k in range(len(candidates)):
+            found = _read(timing, candidates[k], "time") if fits(k) else None
+            if found is None and k in to_time:  # nothing stored: this call's own seconds
+                found = {"seconds": measured[to_time.index(k)], "stored": False}
+            if found is not None:
+                run = runs[k]
+                runs[k] = Run(
+                    run.budgeted_bytes,
+                    run.peak_bytes,
+                    float(found["seconds"]),
+                    run.stored or found["stored"],
+                )
+                ranked.append((runs[k].seconds, k))
+        if not ranked:
+            return None, runs
+        best = min(ranked)[1]
+        if best in now:
+            return best, runs
+        runs[best] = measure(best)  # handed back: its own step within the budget, measured
+        if fits(best):
+            runs[best] = dataclasses.replace(runs[best], seconds=min(ranked)[0], stored=True)
+            return best, runs
+
+
+def _peak(candidate: Candidate, measure_peak: Callable[[nn.Module], tuple[int, int]]) -> dict:
+    try:
+        budgeted, peak = measure_peak(candidate.module)
+    except torch.OutOfMemoryError:
+        # a partition over a tight budget can exceed the device: not a candidate
+        return {"budgeted_bytes": None, "peak_bytes": None}
+    return {"budgeted_bytes": budgeted, "peak_bytes": peak}
+
+
+def _path(timing: Timing | None, candidate: Candidate, what: str) -> Path | None:
+    return stored_beside(timing, f"compiled-{candidate.key}-{what}")
+
+
+def _read(timing: Timing | None, candidate: Candidate, what: str) -> dict | None:
+    path = _path(timing, candidate, what)
+    found = read_stored(path) if path is not None else None
+    return None if found is None else {**found, "stored": True}
+
+
+def _settled(
+    timing: Timing | None, candidate: Candidate, what: str, measure: Callable[[], dict]
+) -> dict:
+    """The stored record of ``candidate`` (``what``: its peak or its seconds), else
+    ``measure()``'s, published now; ``stored`` says whether another process measured it."""
+    found = _read(timing, candidate, what)
+    if found is not None:
+        return found
+    own = measure()
+    path = _path(timing, candidate, what)
+    if path is None:
+        return {**own, "stored": False}
+    publish(path, {"version": STORE_VERSION, **own})
+    again = read_stored(path)
+    if again is None or {k: again.get(k) for k in own} == own:
+        return {**own, "stored": False}
+    return {**again, "stored": True}  # another process published first: every one uses it
+
+
+def check_compile_budgets(given: object) -> tuple[float, ...]:
+    """``compile_budgets`` as a tuple of fractions in [0, 1), or a typed error saying what
+    is expected (before any planning work)."""
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise TypeError(
+            "compile_budgets must be a sequence of activation_memory_budget fractions in "
+            f"[0, 1), such as (0.1, 0.3, 0.5), or () to measure autockpt's plan alone; got {given!r}"
+        )
+    fractions = []
+    for value in given:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"compile_budgets holds {value!r}: each must be a number in [0, 1)")
+        if not 0.0 <= float(value) < 1.0:
+            raise ValueError(
+                f"compile_budgets holds {value!r}: each must be in [0, 1) (1.0 saves "
+                "everything, the un-checkpointed step, which planning never runs)"
+            )
+        fractions.append(float(value))
+    return tuple(sorted(set(fractions)))
+
+
+def compiled_notes(
+    candidates: Sequence[Candidate], runs: Sequence[Run], best: int, budget_bytes: int
+) -> tuple[str, ...]:
+    """What the plan says of the compiled candidates: each one's measured peak and step,
+    and which was handed back."""
+    lines = [
+        "compiled candidates, measured compiled (NOTE [compiled: partitioner budgets]); "
+        f"handed back: {candidates[best].label}"
+    ]
+    for candidate, run in zip(candidates, runs, strict=True):
+        if run.budgeted_bytes is None:
+            said = "ran out of device memory"
+        else:
+            fits = "within" if run.budgeted_bytes <= budget_bytes else "over"
+            said = f"peak {run.budgeted_bytes} B in the budget's scope ({fits} {budget_bytes} B)"
+            if run.seconds is not None:
+                said += f", step {run.seconds * 1e3:.2f} ms"
+            if run.stored:
+                said += " (stored: measured earlier on this machine)"
+        lines.append(f"{candidate.label}: {said}")
+    return tuple(lines)
