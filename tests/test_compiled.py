@@ -62,6 +62,21 @@ def _knob_peak(model: nn.Module, example, fraction: float) -> int:
         ).peak_bytes
 
 
+def _partitions_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The clock as a stand-in: compile's partitions time at a tenth of what they measure,
+    so that their hand-back is exercised whatever this machine measures."""
+    real = autockpt.api.time_steps
+
+    def faster(modules, *args, **kwargs):
+        seconds = real(modules, *args, **kwargs)
+        return [
+            s / 10 if compile_budget(m) is not None else s
+            for m, s in zip(modules, seconds, strict=True)
+        ]
+
+    monkeypatch.setattr("autockpt.api.time_steps", faster)
+
+
 def _optimize(model: nn.Module, example, budget_bytes: int, **kwargs) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -129,16 +144,7 @@ def test_where_compiles_partition_is_fastest_it_is_handed_back(
     eagerly it would checkpoint nothing)."""
     model, example = small_gpt
     peak = _knob_peak(model, example, 0.5)
-    real = autockpt.api.time_steps
-
-    def partitions_first(modules, *args, **kwargs):
-        seconds = real(modules, *args, **kwargs)
-        return [
-            s / 10 if compile_budget(m) is not None else s
-            for m, s in zip(modules, seconds, strict=True)
-        ]
-
-    monkeypatch.setattr("autockpt.api.time_steps", partitions_first)
+    _partitions_fastest(monkeypatch)
     result = _optimize(model, example, peak, compile_budgets=(0.5,))
     plan = result.plan
     assert plan.compile_memory_budget == 0.5 and not plan.segments
@@ -236,16 +242,7 @@ def test_a_sweep_of_compiled_plans_in_one_process_stays_within_every_budget(
     model, example = small_gpt
     peaks = [_knob_peak(model, example, f) for f in (0.1, 0.3, 0.5)]
     if partitions_fastest:  # the clock a stand-in: compile's partitions handed back
-        real = autockpt.api.time_steps
-
-        def faster(modules, *args, **kwargs):
-            seconds = real(modules, *args, **kwargs)
-            return [
-                s / 10 if compile_budget(m) is not None else s
-                for m, s in zip(modules, seconds, strict=True)
-            ]
-
-        monkeypatch.setattr("autockpt.api.time_steps", faster)
+        _partitions_fastest(monkeypatch)
     compiled = torch.compile(model, backend=BACKEND)
     results = []
     for peak in peaks:

@@ -115,7 +115,7 @@ class Timing:
         """This timing with the factors stored beside it, if a verified plan stored any."""
         if self.stored is None or self.factors is not None:
             return self
-        found = _read_factors(_factors_path(self.stored))
+        found = _read_factors(stored_beside(self, "step"))
         return self if found is None else dataclasses.replace(self, factors=found)
 
 
@@ -149,23 +149,22 @@ def settle_factors(timing: Timing, factors: StepFactors) -> Timing:
     ``factors``, stored now (published once, like the node times)."""
     if timing.stored is None:
         return timing
-    path = _factors_path(timing.stored)
+    path = stored_beside(timing, "step")
+    assert path is not None
     publish(path, {"version": STORE_VERSION, **dataclasses.asdict(factors)})
     found = _read_factors(path)
     return dataclasses.replace(timing, factors=found or factors)
 
 
-def _factors_path(stored: str) -> Path:
-    return Path(stored).with_suffix(".step.json")
-
-
-def _read_factors(path: Path) -> StepFactors | None:
+def _read_factors(path: Path | None) -> StepFactors | None:
+    data = read_stored(path) if path is not None else None
     try:
-        data = json.loads(path.read_text())
-        if data.get("version") != STORE_VERSION:
-            return None
-        return StepFactors(*(float(data[f.name]) for f in dataclasses.fields(StepFactors)))
-    except (OSError, ValueError, KeyError, TypeError):
+        return (
+            None
+            if data is None
+            else StepFactors(*(float(data[f.name]) for f in dataclasses.fields(StepFactors)))
+        )
+    except (KeyError, TypeError, ValueError):
         return None
 
 
