@@ -11,11 +11,18 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 # Spinning OpenMP workers starve each other on a small shared machine; sleep instead.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Measured node times are stored per machine (NOTE [timing: stored]); the suite keeps its
-# own store, fresh per run, so no test reads times a previous run measured.
-if "AUTOCKPT_CACHE_DIR" not in os.environ:
+# own store, fresh per run, so no test reads times a previous run measured. The suite runs
+# in pytest-xdist workers (pyproject.toml): each worker gets a store of its own, as one
+# process of its own would (a worker inherits the first store's path from the controller).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_OWN_STORE = "AUTOCKPT_TESTS_OWN_STORE"
+if "AUTOCKPT_CACHE_DIR" not in os.environ or (
+    _WORKER and os.environ.get(_OWN_STORE) == os.environ["AUTOCKPT_CACHE_DIR"]
+):
     import tempfile
 
-    os.environ["AUTOCKPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="autockpt-tests-")
+    os.environ["AUTOCKPT_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"autockpt-tests-{_WORKER or ''}")
+    os.environ[_OWN_STORE] = os.environ["AUTOCKPT_CACHE_DIR"]
 
 import warnings  # noqa: E402
 
@@ -28,7 +35,10 @@ from autockpt.base.runtime import default_loss, tensors_in  # noqa: E402
 from autockpt.capture import Inputs  # noqa: E402
 from autockpt.errors import GIB  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two threads a process, or the cores shared among xdist's workers: two workers with two
+# threads each on two cores would oversubscribe them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def train_step(

@@ -231,6 +231,38 @@ def test_the_fastest_fitting_candidate_wins_and_runs_out_of_memory_are_skipped()
     assert fastest_within(candidates, 10, None, measure_peak, side_by_side)[0] is None
 
 
+def test_a_candidate_timed_later_is_put_on_the_stored_clock(tmp_path):
+    """NOTE [compiled: one clock]: the partition's seconds were stored while the machine
+    ran at half speed; a plan timed later, on a quiet machine, looks faster than those
+    stored seconds (0.15 s < 0.2 s) but is slower side by side (0.15 s against the
+    partition's 0.10 s now). Timed beside the partition and rescaled, it is 0.30 s on the
+    stored clock, and the partition is handed back."""
+    from autockpt.costs.timing import Timing
+
+    timing = Timing((1.0,), (1.0,), 0.0, stored=str(tmp_path / "model.json"))
+    plan, partition = _Timed(90, 0.15), _Timed(80, 0.10)
+    busy = {"factor": 2.0}
+
+    def side_by_side(timed):
+        return [m.seconds * busy["factor"] for m in timed]
+
+    def measure_peak(module):
+        return module.peak, module.peak
+
+    first = [Candidate(partition, 0.5, "partition")]
+    best, runs = fastest_within(first, 100, timing, measure_peak, side_by_side)
+    assert best == 0 and runs[0].seconds == pytest.approx(0.2)
+    busy["factor"] = 1.0
+    both = [Candidate(plan, None, "plan"), *first]
+    best, runs = fastest_within(both, 100, timing, measure_peak, side_by_side)
+    assert best == 1, runs
+    assert runs[0].seconds == pytest.approx(0.3) and runs[0].beside == 1
+    assert runs[1].seconds == pytest.approx(0.2) and runs[1].stored
+    # published on that clock: a later process reads the same seconds and the same choice
+    again, runs = fastest_within(both, 100, timing, measure_peak, lambda t: pytest.fail("timed"))
+    assert again == 1 and runs[0].seconds == pytest.approx(0.3) and runs[0].stored
+
+
 @pytest.mark.parametrize("partitions_fastest", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_sweep_of_compiled_plans_in_one_process_stays_within_every_budget(
     small_gpt, store, fresh_dynamo, monkeypatch, partitions_fastest

@@ -25,6 +25,16 @@ seconds are published once per machine beside the model's node times, keyed by t
 candidate (the backend and its options, the fraction, or the plan's segments); a later
 process reads them instead of compiling and timing again, so the same request picks the
 same candidate. Without a store each process measures its own (the plan notes say so).
+
+NOTE [compiled: one clock]. Stored seconds were timed at another moment, on a machine whose
+load moves a step's wall time by tens of percent: a plan timed now against a partition's
+seconds stored an hour ago compares two moments, not two steps (Llama at compile's 0.3
+point: the partition stored earlier was handed back at 1.078x the knob's step). So a
+candidate timed in this call is timed side by side with the fastest stored candidate that
+fits (compiled again: one more compile), and its seconds are published on that one's clock,
+``stored x (own now / reference now)``: every stored time of a model is on the clock of the
+call that timed its first candidates, and a choice between them is a ratio measured side by
+side. Without a stored fitting candidate there is nothing to rescale to.
 """
 
 from __future__ import annotations
@@ -72,6 +82,9 @@ class Run:
     seconds: float | None
     stored: bool = False
     """Read from the store (measured by an earlier process on this machine)."""
+    beside: int | None = None
+    """Timed in this call side by side with this candidate, and put on its stored clock
+    (NOTE [compiled: one clock]); None: not rescaled."""
 
 
 def candidate_key(backend: str, fraction: float | None, segments: object) -> str:
@@ -128,18 +141,33 @@ def fastest_within(
                 runs[k] = measure(k)  # this module's own compiled step, before timing it
             if fits(k):
                 to_time.append(k)
+    reference = _reference(candidates, timing, fits, to_time) if to_time else None
+    if reference is not None and reference not in now:
+        runs[reference] = measure(reference)  # it runs again: its own step first
+        if not fits(reference):
+            reference = None
     if to_time:
-        measured = time_side_by_side([candidates[k].module for k in to_time])
+        timed = [candidates[k].module for k in to_time]
+        if reference is not None:
+            timed.append(candidates[reference].module)
+        measured = time_side_by_side(timed)
+        if reference is not None:  # onto the stored clock (NOTE [compiled: one clock])
+            stored = _read(timing, candidates[reference], "time")
+            assert stored is not None
+            scale = float(stored["seconds"]) / max(measured.pop(), 1e-12)
+            measured = [seconds * scale for seconds in measured]
         for k, seconds in zip(to_time, measured, strict=True):
             _settled(timing, candidates[k], "time", lambda s=seconds: {"seconds": s})
     while True:
         ranked = []
         for k in range(len(candidates)):
             found = _read(timing, candidates[k], "time") if fits(k) else None
+            beside = None
             if k in to_time:
                 own = measured[to_time.index(k)]
                 if found is None or found["seconds"] == own:  # this call's own seconds
                     found = {"seconds": own, "stored": False}
+                    beside = reference
             if found is not None:
                 run = runs[k]
                 runs[k] = Run(
@@ -147,6 +175,7 @@ def fastest_within(
                     run.peak_bytes,
                     float(found["seconds"]),
                     run.stored or found["stored"],
+                    beside,
                 )
                 ranked.append((runs[k].seconds, k))
         if not ranked:
@@ -158,6 +187,22 @@ def fastest_within(
         if fits(best):
             runs[best] = dataclasses.replace(runs[best], seconds=min(ranked)[0], stored=True)
             return best, runs
+
+
+def _reference(
+    candidates: Sequence[Candidate],
+    timing: Timing | None,
+    fits: Callable[[int], bool],
+    to_time: Sequence[int],
+) -> int | None:
+    """The candidate whose stored seconds put this call's timings on the stored clock: the
+    fastest stored one that fits (None: none is stored)."""
+    stored = []
+    for k, candidate in enumerate(candidates):
+        found = _read(timing, candidate, "time") if k not in to_time and fits(k) else None
+        if found is not None:
+            stored.append((float(found["seconds"]), k))
+    return min(stored)[1] if stored else None
 
 
 def _peak(candidate: Candidate, measure_peak: Callable[[nn.Module], tuple[int, int]]) -> dict:
@@ -238,5 +283,10 @@ def compiled_notes(
                 said += f", step {run.seconds * 1e3:.2f} ms"
             if run.stored:
                 said += " (stored: measured earlier on this machine)"
+            elif run.beside is not None:
+                said += (
+                    f" (timed beside {candidates[run.beside].label}, on its stored clock: "
+                    "NOTE [compiled: one clock])"
+                )
         lines.append(f"{candidate.label}: {said}")
     return tuple(lines)
