@@ -215,6 +215,14 @@ def optimize(
     if compile_budgets is not None:
         check_compile_budgets(compile_budgets)
 
+    def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
+        # the same request, from the call in the new precision (NOTE [rewrite: precision
+        # change]); the result is planned from its plain model (unwrap)
+        return optimize(module, Inputs(tuple(args), dict(kwargs)), **request)
+
+    def settle(inner: nn.Module) -> None:
+        set_precision_change(inner, on_precision_change, replan)
+
     def plan_here(budget_gb: float = budget_gb) -> nn.Module:
         planner = Planner(
             model,
@@ -239,6 +247,7 @@ def optimize(
             verify=verify,
             selective=selective,
             compile_budgets=compile_budgets,
+            settle=settle,
         )
 
     result = plan_on_one_rank(
@@ -248,13 +257,8 @@ def optimize(
         plan_rank=plan_rank,
     )
 
-    def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
-        # the same request, from the call in the new precision (NOTE [rewrite: precision
-        # change]); the result is planned from its plain model (unwrap)
-        return optimize(module, Inputs(tuple(args), dict(kwargs)), **request)
-
     inner = getattr(result, "_orig_mod", result)
-    set_precision_change(inner, on_precision_change, replan)
+    settle(inner)
     if getattr(inner, "plan", None) is not None and inner.plan.units:  # a result of units
         watch_units_precision(
             inner,
@@ -745,6 +749,7 @@ class Planner:
         verify: bool = True,
         selective: bool = True,
         compile_budgets: Sequence[float] | None = None,
+        settle: Callable[[nn.Module], None] | None = None,
     ) -> nn.Module:
         """Solve for ``budget_gb``, rewrite, and (``verify``) check one measured step.
 
@@ -753,7 +758,10 @@ class Planner:
         budget (docs/design.md, "Selective recompute"); False: every segment recomputes
         everything inside it. ``compile_budgets``: for a model that came compiled, the
         ``activation_memory_budget`` values of torch.compile measured beside the plan (NOTE
-        [compiled: partitioner budgets]; default 0.1, 0.3, 0.5; ``()``: none)."""
+        [compiled: partitioner budgets]; default 0.1, 0.3, 0.5; ``()``: none).
+        ``settle(result)``: what the caller sets on the result (its precision-change
+        rule), done before a compiled result's last measured step, since dynamo guards
+        on it (else the user's first step compiles again)."""
         budget_bytes = budget_in_bytes(check_budget_gb(budget_gb))
 
         def replan(module: nn.Module, args: tuple, kwargs: dict) -> nn.Module:
@@ -768,6 +776,12 @@ class Planner:
                 selective=selective,
                 compile_budgets=compile_budgets,
             )
+
+        def finish(result: nn.Module) -> None:
+            inner = getattr(result, "_orig_mod", result)
+            set_precision_change(inner, "replan", replan)
+            if settle is not None:
+                settle(inner)
 
         if self.nested is not None:
             units = self.nested.optimize(
@@ -821,7 +835,7 @@ class Planner:
             if not fractions:
                 raise
             # compile's own partitions may still fit (NOTE [compiled: partitioner budgets])
-            result = self._fastest_compiled(None, budget_bytes, fractions, error)
+            result = self._fastest_compiled(None, budget_bytes, fractions, error, finish)
         else:
             result = fitted.attempt.result
             solution, plan = fitted.attempt.found
@@ -832,11 +846,11 @@ class Planner:
                 plan, self.prepared, self.predictor, solution, fitted.measurement
             )
             if fractions:
-                result = self._fastest_compiled(result, budget_bytes, fractions, None)
+                result = self._fastest_compiled(result, budget_bytes, fractions, None, finish)
         finally:
             self._phases.stop()
 
-        set_precision_change(getattr(result, "_orig_mod", result), "replan", replan)
+        finish(result)
         return result
 
     def rewrite(
@@ -884,10 +898,14 @@ class Planner:
         budget_bytes: int,
         fractions: tuple[float, ...],
         infeasible: InfeasibleBudgetError | None,
+        finish: Callable[[nn.Module], None],
     ) -> nn.Module:
         """The fastest of the verified plan (``planned``; None: no plan fits) and the model
         compiled at each partitioner budget, by measured peak and time (NOTE [compiled:
-        partitioner budgets])."""
+        partitioner budgets]). ``finish`` sets the result's precision-change rule before its
+        last measured step: dynamo guards on it, and set afterwards it made the user's first
+        step compile again, which kept 16-64 bytes more than the step planning measured (over
+        the budget at compile's own 0.5 point on GPT-2)."""
         hand_back = self._hand_back
         assert isinstance(hand_back, CompiledHandBack)
         self._phases.start("verify", "measuring torch.compile's own partitions")
@@ -924,8 +942,10 @@ class Planner:
                     raise infeasible
                 raise self._measured_infeasible(budget_bytes, 0)
             result = self._handed_back(candidates, runs, best, budget_bytes)
-            # The module as handed back, its final plan in place (dynamo guards on the plan
-            # object, so this step compiles it once more): its own step is the promise.
+            finish(result)
+            # The module as handed back, its final plan and re-plan in place (dynamo guards
+            # on both, so this step compiles it once more): its own step is the promise, and
+            # the user's first step compiles nothing.
             final = self._measure(result)
             if self.budgeted_bytes(final) <= budget_bytes:
                 # recorded in place: a new plan object would fail dynamo's guard on it and
