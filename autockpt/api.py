@@ -779,9 +779,10 @@ class Planner:
 
         def finish(result: nn.Module) -> None:
             inner = getattr(result, "_orig_mod", result)
-            set_precision_change(inner, "replan", replan)
-            if settle is not None:
+            if settle is not None:  # the caller's rule replaces this planner's
                 settle(inner)
+            else:
+                set_precision_change(inner, "replan", replan)
 
         if self.nested is not None:
             units = self.nested.optimize(

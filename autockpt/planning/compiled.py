@@ -141,7 +141,7 @@ def fastest_within(
                 runs[k] = measure(k)  # this module's own compiled step, before timing it
             if fits(k):
                 to_time.append(k)
-    reference = _reference(candidates, timing, fits, to_time) if to_time else None
+    reference, reference_seconds = _reference(candidates, timing, fits, to_time)
     if reference is not None and reference not in now:
         runs[reference] = measure(reference)  # it runs again: its own step first
         if not fits(reference):
@@ -152,9 +152,7 @@ def fastest_within(
             timed.append(candidates[reference].module)
         measured = time_side_by_side(timed)
         if reference is not None:  # onto the stored clock (NOTE [compiled: one clock])
-            stored = _read(timing, candidates[reference], "time")
-            assert stored is not None
-            scale = float(stored["seconds"]) / max(measured.pop(), 1e-12)
+            scale = reference_seconds / max(measured.pop(), 1e-12)
             measured = [seconds * scale for seconds in measured]
         for k, seconds in zip(to_time, measured, strict=True):
             _settled(timing, candidates[k], "time", lambda s=seconds: {"seconds": s})
@@ -194,15 +192,21 @@ def _reference(
     timing: Timing | None,
     fits: Callable[[int], bool],
     to_time: Sequence[int],
-) -> int | None:
-    """The candidate whose stored seconds put this call's timings on the stored clock: the
-    fastest stored one that fits (None: none is stored)."""
+) -> tuple[int | None, float]:
+    """The candidate whose stored seconds put this call's timings on the stored clock, and
+    those seconds: the fastest stored one that fits ((None, 0.0): nothing to time, or none
+    is stored)."""
     stored = []
     for k, candidate in enumerate(candidates):
-        found = _read(timing, candidate, "time") if k not in to_time and fits(k) else None
+        found = (
+            _read(timing, candidate, "time") if to_time and k not in to_time and fits(k) else None
+        )
         if found is not None:
             stored.append((float(found["seconds"]), k))
-    return min(stored)[1] if stored else None
+    if not stored:
+        return None, 0.0
+    seconds, k = min(stored)
+    return k, seconds
 
 
 def _peak(candidate: Candidate, measure_peak: Callable[[nn.Module], tuple[int, int]]) -> dict:
