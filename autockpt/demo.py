@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.costs.blocks import find_repeated_blocks
+from autockpt.measure import interleaved_rounds
 
 __all__ = [
     "Block",
@@ -152,17 +153,14 @@ def largest_by_measuring(
 
 
 def interleaved_seconds(steps: dict[str, Callable[[], None]], rounds: int = 5) -> dict[str, float]:
-    """Median seconds of each step over interleaved rounds: one untimed warm-up of each,
-    then every round times one run of every step, starting at a rotating position, as the
-    process's CPU time (on a shared machine wall time mostly measures who else runs; one
-    step timed alone is no result)."""
-    names = list(steps)
-    for name in names:
-        steps[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            begin = time.process_time()
-            steps[name]()
-            samples[name].append(time.process_time() - begin)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    """Median seconds of each step over interleaved rounds (NOTE [timing: interleaved
+    rounds]), as the process's CPU time: on a shared machine wall time mostly measures who
+    else runs."""
+
+    def cpu_seconds(step: Callable[[], None]) -> float:
+        begin = time.process_time()
+        step()
+        return time.process_time() - begin
+
+    samples = interleaved_rounds(list(steps.values()), rounds, cpu_seconds)
+    return {name: statistics.median(values) for name, values in zip(steps, samples, strict=True)}

@@ -25,9 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
@@ -46,6 +46,8 @@ from autockpt.base.optimizer import (  # noqa: E402
 from autockpt.base.optimizer import step as optimizer_step  # noqa: E402
 from autockpt.base.precision import fresh_autocast_cache  # noqa: E402
 from autockpt.base.runtime import LossFn, as_found, clear_grads, default_loss, device_of, now  # noqa: E402
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,36 @@ def _cuda_peak(iteration: Callable[[], None], device: torch.device, static: int)
     return torch.cuda.max_memory_allocated(device) - unrelated
 
 
+def interleaved_rounds(
+    steps: Sequence[Callable[[], None]],
+    rounds: int,
+    clock: Callable[[Callable[[], None]], T],
+) -> list[list[T]]:
+    """Every step timed side by side: NOTE [timing: interleaved rounds].
+
+    One untimed run of each step (a compiled one compiles then), then ``rounds`` rounds;
+    each round starts one step later, and runs every step twice in a row, timing the
+    second with ``clock`` (which runs the step it is given and returns its reading).
+    Returns each step's readings, in the order of ``steps``.
+
+    NOTE [timing: interleaved rounds]: one step timed alone is no result on a shared
+    machine, where a slow spell lasts several steps: rounds spread it over every step alike,
+    and a ratio of two steps is taken within a round. The step timed follows the same
+    step, as in a training loop: on a CPU the step that follows another model's step is not
+    that step (the allocator's state differs); before this, the benchmark's rounds timed
+    ResNet's steps at 136 ms against 189 ms in a loop, and predictions calibrated by
+    planning's consecutive steps missed them (docs/design.md, "One time model")."""
+    for step in steps:
+        step()
+    samples: list[list[T]] = [[] for _ in steps]
+    for r in range(rounds):
+        for k in range(len(steps)):
+            i = (k + r) % len(steps)
+            steps[i]()
+            samples[i].append(clock(steps[i]))
+    return samples
+
+
 def time_steps(
     modules: list[nn.Module],
     example_inputs: Any,
@@ -227,27 +259,28 @@ def time_steps(
     rounds: int = 5,
 ) -> list[float]:
     """Median seconds of a forward + backward of each of ``modules`` (the same model planned
-    differently), timed side by side: each round steps every module once, starting one
-    later each round, so a burst of load on a shared machine falls on all of them. Each
-    module is stepped once untimed first (a compiled one compiles then). The modules, the
+    differently), timed side by side (NOTE [timing: interleaved rounds]). The modules, the
     inputs and the random generators are left as found."""
     inputs = Inputs.of(example_inputs)
-    loss_fn = loss_fn or default_loss
+    loss = loss_fn or default_loss
     if not modules:
         return []
     device = device_of(modules[0], inputs)
-    times: list[list[float]] = [[] for _ in modules]
+
+    def stepper(module: nn.Module) -> Callable[[], None]:
+        def step() -> None:
+            _step(module, inputs, loss, None)
+            clear_grads(module)
+
+        return step
+
+    def clock(step: Callable[[], None]) -> float:
+        start = now(device)
+        step()
+        return now(device) - start
+
     with contextlib.ExitStack() as stack:
         for module in modules:
             stack.enter_context(as_found(module, inputs))
-        for module in modules:
-            _step(module, inputs, loss_fn, None)
-            clear_grads(module)
-        for r in range(max(1, rounds)):
-            for k in range(len(modules)):
-                i = (k + r) % len(modules)
-                start = now(device)
-                _step(modules[i], inputs, loss_fn, None)
-                times[i].append(now(device) - start)
-                clear_grads(modules[i])
+        times = interleaved_rounds([stepper(m) for m in modules], max(1, rounds), clock)
     return [statistics.median(t) for t in times]

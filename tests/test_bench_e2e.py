@@ -179,10 +179,14 @@ def test_one_case_end_to_end_writes_files_and_flags(tmp_path) -> None:
     assert {t.method for t in never} == {"auto", "auto_segments"} and all(t.met for t in never)
     best = [t for t in targets if t.target.startswith("step <= fastest of")]
     assert best and all(t.value is not None and "fastest: " in t.note for t in best)
+    for cell in (c for c in cells if c.wall_times):
+        spread = (max(cell.wall_times) - min(cell.wall_times)) / cell.wall_step_seconds
+        assert cell.wall_spread == pytest.approx(spread)
     e2e.write(cells, targets, tmp_path, {"command": "test"})
     payload = json.loads((tmp_path / "e2e.json").read_text())
     assert len(payload["cells"]) == len(cells)
     assert payload["cells"][1]["times"] == blocks.times
+    assert payload["cells"][1]["wall_times"] == blocks.wall_times
     assert {t["target"] for t in payload["targets"]} >= {"never over budget"}
     with open(tmp_path / "e2e.csv") as handle:
         rows = list(csv.DictReader(handle))
@@ -192,6 +196,76 @@ def test_one_case_end_to_end_writes_files_and_flags(tmp_path) -> None:
     assert "### Targets" in (tmp_path / "summary.md").read_text()
     headline = (tmp_path / "headline.md").read_text()
     assert "tiny_stack" in headline and "per-block" in headline
+
+
+def test_rounds_time_a_step_that_follows_its_own_step() -> None:
+    """In a training loop a step follows the same model's step; every timed step of the
+    rounds does too, while the rounds still rotate the cells (docs/design.md "One time
+    model")."""
+    calls: list[tuple[str, bool]] = []  # (cell, being timed)
+    timing = [False]
+    runners = [
+        e2e._Runner(e2e.Cell("m", name), lambda name=name: calls.append((name, timing[0])))
+        for name in ("a", "b", "c")
+    ]
+    timed = e2e._timed
+
+    def spy(step, device):
+        timing[0] = True
+        try:
+            return timed(step, device)
+        finally:
+            timing[0] = False
+
+    e2e._timed, saved = spy, e2e._timed
+    try:
+        e2e._interleave(runners, rounds=3, device=torch.device("cpu"))
+    finally:
+        e2e._timed = saved
+    assert [c for c, _ in calls[:3]] == ["a", "b", "c"]  # the warm-up round
+    rounds = calls[3:]
+    assert len(rounds) == 2 * 3 * 3
+    for i in range(0, len(rounds), 2):
+        (before, timed_before), (after, timed_after) = rounds[i], rounds[i + 1]
+        assert before == after and not timed_before and timed_after
+    firsts = [rounds[6 * r][0] for r in range(3)]
+    assert firsts == ["a", "b", "c"]  # each round starts one cell later
+    assert all(len(r.cell.wall_times) == 3 for r in runners)
+
+
+def test_repeatability_table_sets_planning_against_the_rounds() -> None:
+    timed = e2e.Cell(
+        "m",
+        "auto",
+        "leanest",
+        10,
+        planning_step_seconds=0.3,
+        wall_step_seconds=0.2,
+        wall_spread=0.25,
+        predicted_step_seconds=0.3,
+        times=[0.2],
+    )
+    other = e2e.Cell("m", "none", wall_step_seconds=0.1, wall_spread=0.15, times=[0.1])
+    # Predicted 2.0x measured; planning/rounds says the clock alone moved 1.5x, leaving 1.33x.
+    slow = e2e.Cell(
+        "m",
+        "auto",
+        "halfway",
+        20,
+        wall_step_seconds=0.1,
+        wall_spread=0.35,
+        predicted_step_seconds=0.2,
+        times=[0.1],
+    )
+    text = e2e.repeatability_markdown([other, timed, slow])
+    assert (
+        "| m | auto leanest | 300.0 | 200.0 | 1.50 | 25% "
+        "| 1.50-2.00 (0 of 2 within 15%) | 1.00-1.33 (1 of 2 within 15%) |"
+    ) in text
+    target = next(
+        t for t in e2e._speed_targets("m", [other, timed]) if t.target.startswith("predicted")
+    )
+    assert target.value == pytest.approx(1.5) and "300.0 ms there" in target.note
 
 
 def test_targets_flag_an_over_budget_plan_and_a_slow_one() -> None:

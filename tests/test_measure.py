@@ -151,3 +151,29 @@ def test_a_failing_step_inside_the_profiler_leaves_measure_usable():
     assert all(p.grad is None for p in model.parameters())
     again = measure(model, x, repeat=1, warmup=0)
     assert again.peak_bytes > again.static_bytes
+
+
+def test_interleaved_rounds_time_each_step_right_after_itself() -> None:
+    """NOTE [timing: interleaved rounds]: a warm-up of each, then per round every step twice
+    in a row with the second timed, the rounds starting one step later each time."""
+    from autockpt.demo import interleaved_seconds
+    from autockpt.measure import interleaved_rounds
+
+    calls: list[tuple[str, bool]] = []
+    timing = [False]
+    steps = [lambda name=name: calls.append((name, timing[0])) for name in "abc"]
+
+    def clock(step):
+        timing[0] = True
+        step()
+        timing[0] = False
+        return calls[-1][0]
+
+    samples = interleaved_rounds(steps, 2, clock)
+    assert samples == [["a", "a"], ["b", "b"], ["c", "c"]]
+    assert calls[:3] == [("a", False), ("b", False), ("c", False)]
+    rounds = calls[3:]
+    assert [name for name, _ in rounds] == list("aabbcc" + "bbccaa")
+    assert [timed for _, timed in rounds] == [False, True] * 6
+    seconds = interleaved_seconds({"x": lambda: None, "y": lambda: sum(range(1000))}, rounds=3)
+    assert set(seconds) == {"x", "y"} and all(s >= 0 for s in seconds.values())
