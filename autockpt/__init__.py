@@ -9,30 +9,100 @@ Planning logs its phases on the ``"autockpt"`` logger at INFO; the library adds 
 ``NullHandler`` (``logging.basicConfig(level=logging.INFO)`` shows them).
 """
 
+from __future__ import annotations
+
+import importlib
 import logging
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 from autockpt._version import __version__
-from autockpt.api import apply, clear_cache, optimize
-from autockpt.errors import (
-    AutockptError,
-    BatchSizeError,
-    BudgetError,
-    BudgetTypeError,
-    CompileError,
-    CompileWarning,
-    DefaultLossWarning,
-    InfeasibleBudgetError,
-    LargerInputWarning,
-    OptimizerError,
-    PlanFormatError,
-    PlanMismatchError,
-    PrecisionWarning,
-    TraceError,
-    UncoveredCallWarning,
-)
-from autockpt.fit import BatchCandidate, BatchFit, fit_batch
-from autockpt.measure import Measurement, measure
-from autockpt.plan import MemoryBreakdown, OptimizerRecord, Plan, Segment
+
+if TYPE_CHECKING:  # what the names below resolve to, for readers and type checkers
+    from autockpt.api import apply, clear_cache, optimize
+    from autockpt.errors import (
+        AutockptError,
+        BatchSizeError,
+        BudgetError,
+        BudgetTypeError,
+        CompileError,
+        CompileWarning,
+        DefaultLossWarning,
+        InfeasibleBudgetError,
+        LargerInputWarning,
+        OptimizerError,
+        PlanFormatError,
+        PlanMismatchError,
+        PrecisionWarning,
+        TraceError,
+        UncoveredCallWarning,
+    )
+    from autockpt.fit import BatchCandidate, BatchFit, fit_batch
+    from autockpt.measure import Measurement, measure
+    from autockpt.plan import MemoryBreakdown, OptimizerRecord, Plan, Segment
+
+# The public names load on first use (PEP 562), so that importing the package does not load
+# torch: `autockpt --help` answers at once, and the command line sets torch's environment
+# (OpenMP's wait policy, read once when torch loads) before torch loads.
+_HOME = {
+    **dict.fromkeys(("apply", "clear_cache", "optimize"), "autockpt.api"),
+    **dict.fromkeys(
+        (
+            "AutockptError",
+            "BatchSizeError",
+            "BudgetError",
+            "BudgetTypeError",
+            "CompileError",
+            "CompileWarning",
+            "DefaultLossWarning",
+            "InfeasibleBudgetError",
+            "LargerInputWarning",
+            "OptimizerError",
+            "PlanFormatError",
+            "PlanMismatchError",
+            "PrecisionWarning",
+            "TraceError",
+            "UncoveredCallWarning",
+        ),
+        "autockpt.errors",
+    ),
+    **dict.fromkeys(("BatchCandidate", "BatchFit", "fit_batch"), "autockpt.fit"),
+    **dict.fromkeys(("Measurement", "measure"), "autockpt.measure"),
+    **dict.fromkeys(("MemoryBreakdown", "OptimizerRecord", "Plan", "Segment"), "autockpt.plan"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        try:  # a submodule not loaded yet (`autockpt.api` after `import autockpt`)
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))
+
+
+class _Package(types.ModuleType):
+    """``autockpt.measure`` is the function, as it was when the package loaded everything:
+    loading the submodule of that name (which any planning does) would otherwise bind the
+    module over it. The submodule stays ``sys.modules["autockpt.measure"]``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _HOME:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 logging.getLogger("autockpt").addHandler(logging.NullHandler())
 

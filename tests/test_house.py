@@ -107,3 +107,29 @@ def test_solvers_import_neither_torch_nor_autockpt() -> None:
 @pytest.mark.parametrize("module", sorted(LIBRARY))
 def test_every_module_imports_alone(module: str) -> None:
     importlib.import_module(module)
+
+
+def test_the_package_loads_torch_only_when_a_name_is_used() -> None:
+    """`autockpt --help` answers without torch, and the command line sets torch's
+    environment before torch loads; every public name still resolves, and
+    ``autockpt.measure`` stays the function once its submodule has loaded."""
+    import subprocess
+    import sys
+
+    code = """
+import contextlib, io, os, sys
+os.environ.pop("OMP_WAIT_POLICY", None)
+import autockpt, autockpt.cli
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+    autockpt.cli.main(["--help"])
+assert "usage" in out.getvalue(), out.getvalue()
+assert "torch" not in sys.modules, "autockpt --help loaded torch"
+assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # set by the CLI, before torch loads
+import autockpt.api  # loads autockpt.measure (the submodule) among others
+assert "torch" in sys.modules and callable(autockpt.measure)
+assert autockpt.measure is sys.modules["autockpt.measure"].measure
+for name in autockpt.__all__:
+    assert getattr(autockpt, name) is not None, name
+assert autockpt.api.Planner and set(autockpt.__all__) <= set(dir(autockpt))
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
