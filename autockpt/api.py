@@ -44,7 +44,7 @@ from autockpt.capture.captured import Capture
 from autockpt.capture.front import capture
 from autockpt.costs.as_written import as_written_shift
 from autockpt.costs.problem import DEFAULT_MAX_STAGES, StageRange
-from autockpt.costs.timing import STEP_ROUNDS, settle_factors, step_factors
+from autockpt.costs.timing import STEP_ROUNDS, STEP_TIMING_SECONDS, settle_factors, step_factors
 from autockpt.distributed import PlanRequest, plan_on_one_rank
 from autockpt.errors import (
     GIB,
@@ -1032,7 +1032,8 @@ class Planner:
 
     def _measure(self, result: nn.Module, timed: bool = False) -> Measurement:
         """One real step of the plan, in the training mode it was planned in (``timed``:
-        then :data:`autockpt.costs.timing.STEP_ROUNDS` timed steps). A result under
+        then up to :data:`autockpt.costs.timing.STEP_ROUNDS` timed steps, fewer once they
+        took :data:`~autockpt.costs.timing.STEP_TIMING_SECONDS`). A result under
         ``torch.compile`` (the model came compiled) is measured compiled, after one warm-up
         step that compiles it: the budget holds for the module handed back."""
         compiled = self._hand_back is not same
@@ -1052,6 +1053,7 @@ class Planner:
                 self.inputs,
                 loss_fn=self.loss_fn,
                 repeat=STEP_ROUNDS if timed else 0,
+                max_seconds=STEP_TIMING_SECONDS,
                 warmup=1 if compiled else 0,
                 optimizer=self.optimizer,
                 accumulation_steps=self.accumulation_steps,

@@ -84,6 +84,7 @@ def measure(
     warmup: int = 1,
     optimizer: torch.optim.Optimizer | None = None,
     accumulation_steps: int = 1,
+    max_seconds: float | None = None,
 ) -> Measurement:
     """Measure peak memory and step time of ``loss_fn(model(*inputs)).backward()``.
 
@@ -95,7 +96,10 @@ def measure(
 
     Called inside ``torch.autocast``, every step runs under it as in a fresh context per
     step: autocast's weight casts are made and counted in the step (the cache is emptied
-    before and after each)."""
+    before and after each).
+
+    ``max_seconds``: stop timing once the timed steps took that long together (at least one
+    is timed); ``Measurement.repeat`` says how many were."""
     inputs = Inputs.of(example_inputs)
     if optimizer is not None:
         check_optimizer(optimizer, model)
@@ -103,6 +107,14 @@ def measure(
         raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}")
+    if max_seconds is not None and (
+        isinstance(max_seconds, bool)
+        or not isinstance(max_seconds, (int, float))
+        or not max_seconds > 0
+    ):
+        raise ValueError(
+            f"max_seconds must be a positive number of seconds or None, got {max_seconds!r}"
+        )
     loss_fn = loss_fn or default_loss
     device = device_of(model, inputs)
     static = static_bytes(model, inputs)
@@ -130,9 +142,11 @@ def measure(
             times.append(now(device) - start)
             forwards.append(iteration.forward_seconds)
             clear_grads(model)
+            if max_seconds is not None and sum(times) >= max_seconds:
+                break
     seconds = statistics.median(times) if times else 0.0
     forward = statistics.median(forwards) if forwards else 0.0
-    return Measurement(peak, static, seconds, str(device), max(0, repeat), forward)
+    return Measurement(peak, static, seconds, str(device), len(times), forward)
 
 
 class _Iteration:

@@ -98,6 +98,18 @@ def test_measurement_static_bytes_match():
     assert result.device == "cpu"
 
 
+def test_timing_stops_once_the_timed_steps_took_max_seconds():
+    """Planning times a long step fewer times (STEP_TIMING_SECONDS): at least one step is
+    timed, and ``repeat`` says how many were."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
+    x = torch.randn(6, 8)
+    assert measure(model, x, repeat=4, max_seconds=1e-9).repeat == 1
+    assert measure(model, x, repeat=4, max_seconds=3600.0).repeat == 4
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="max_seconds"):
+            measure(model, x, max_seconds=bad)
+
+
 def test_activation_peak_bytes_is_what_lies_above_static():
     m = Measurement(
         peak_bytes=3 * 2**30, static_bytes=2**30, step_seconds=0.1, device="cpu", repeat=1

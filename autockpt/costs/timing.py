@@ -55,8 +55,14 @@ below the measured median step of a GPT on a 2-core CPU; docs/design.md "One tim
 model")."""
 
 STEP_ROUNDS = 5
-"""Timed steps of the first verified plan (after one untimed step): their median forward
-and step times give the step factors (NOTE [timing: step factors])."""
+"""Timed steps of the first verified plan (after one untimed step), at most: their median
+forward and step times give the step factors (NOTE [timing: step factors])."""
+
+STEP_TIMING_SECONDS = 2.0
+"""Planning stops timing the first verified plan's steps once they took this long together
+(at least one is timed): on a model whose step takes seconds, five timed steps doubled
+planning (Hugging Face GPT-2 124M: 29 of 62 s in verifying, docs/planning.md), and a long
+step's median needs fewer samples. Steps up to 0.4 s still get all :data:`STEP_ROUNDS`."""
 
 STEP_FACTOR_RANGE = (0.2, 5.0)
 """Factors outside it are clamped: a step timed during a burst of load on a shared machine
