@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.planning import HEAVY, MIB, Case, WindowResult, run_window
+from benchmarks.planning import HEAVY, MIB, Case, WindowResult, _interleaved, run_window
 
 SMALL = Case("residual_mlp_16k", HEAVY.factory, {"batch": 16384}, HEAVY.warmup)
 
@@ -92,3 +92,14 @@ def test_planning_fits_where_the_plan_fits(case: Case) -> None:
     # Planning took no more than the plan may.
     assert plan.allowed_increase_bytes is not None
     assert plan.rss_increase_bytes <= plan.allowed_increase_bytes, _report(plan, eager)
+
+
+def test_the_benchmark_times_each_step_right_after_itself() -> None:
+    """The shared interleaving (NOTE [timing: interleaved rounds]): a warm-up of each step,
+    then per round, starting one step later each time, every step twice in a row."""
+    calls: list[str] = []
+    medians = _interleaved(
+        {"eager": lambda: calls.append("e"), "plan": lambda: calls.append("p")}, 2
+    )
+    assert "".join(calls) == "ep" + "eepp" + "ppee"
+    assert set(medians) == {"eager", "plan"} and all(v >= 0 for v in medians.values())
