@@ -12,8 +12,6 @@ batch by trying sizes until one does not fit (:func:`largest_by_measuring`). The
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.costs.blocks import find_repeated_blocks
-from autockpt.measure import interleaved_rounds
+from autockpt.measure import interleaved_seconds
 
 __all__ = [
     "Block",
@@ -150,17 +148,3 @@ def largest_by_measuring(
         else:
             high = middle
     return low, runs
-
-
-def interleaved_seconds(steps: dict[str, Callable[[], None]], rounds: int = 5) -> dict[str, float]:
-    """Median seconds of each step over interleaved rounds (NOTE [timing: interleaved
-    rounds]), as the process's CPU time: on a shared machine wall time mostly measures who
-    else runs."""
-
-    def cpu_seconds(step: Callable[[], None]) -> float:
-        begin = time.process_time()
-        step()
-        return time.process_time() - begin
-
-    samples = interleaved_rounds(list(steps.values()), rounds, cpu_seconds)
-    return {name: statistics.median(values) for name, values in zip(steps, samples, strict=True)}

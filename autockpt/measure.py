@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -263,6 +264,32 @@ def interleaved_rounds(
             steps[i]()
             samples[i].append(clock(steps[i]))
     return samples
+
+
+def process_seconds(step: Callable[[], None]) -> float:
+    """``step``'s process CPU time: on a shared machine wall time mostly measures who else
+    runs."""
+    begin = time.process_time()
+    step()
+    return time.process_time() - begin
+
+
+def wall_seconds(step: Callable[[], None]) -> float:
+    """``step``'s wall time (host clock: steps that end in a host sync)."""
+    begin = time.perf_counter()
+    step()
+    return time.perf_counter() - begin
+
+
+def interleaved_seconds(
+    steps: dict[str, Callable[[], None]],
+    rounds: int = 5,
+    clock: Callable[[Callable[[], None]], float] = process_seconds,
+) -> dict[str, float]:
+    """Median seconds of each named step over :func:`interleaved_rounds`, on ``clock``
+    (process CPU time unless told)."""
+    samples = interleaved_rounds(list(steps.values()), rounds, clock)
+    return {name: statistics.median(values) for name, values in zip(steps, samples, strict=True)}
 
 
 def time_steps(

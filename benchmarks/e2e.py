@@ -99,10 +99,10 @@ BEST_OF = ("titan_sac", "per_block", "auto_segments")
 QUICK_MODELS = ("gpt2", "llama", "block_stack")
 QUICK_METHODS = ("none", "per_block", "titan_sac", "sequential", "greedy", "auto", "auto_segments")
 COMPILE_DEFAULT_MODELS = ("gpt2", "llama")
-# How close a plan's predicted step must come to its measured one (a ratio off 1).
-PREDICTION_TOLERANCE = 0.15
 """On a CPU, inductor takes minutes per model to compile (C++ codegen with gcc); the default
 run compiles the two decoders only (``--compile all`` for every model)."""
+PREDICTION_TOLERANCE = 0.15
+"""How close a plan's predicted step must come to its measured one (a ratio off 1)."""
 
 
 @dataclass

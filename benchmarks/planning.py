@@ -61,7 +61,6 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,7 +75,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 import torch  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 
-from autockpt.measure import interleaved_rounds  # noqa: E402
+from autockpt.measure import interleaved_seconds, wall_seconds  # noqa: E402
 
 MIB = 2**20
 BUDGET_FRACTION = 0.35
@@ -424,16 +423,8 @@ def gradient_bytes(model: nn.Module) -> int:
 
 def _interleaved(steps: dict[str, Any], rounds: int) -> dict[str, float]:
     """Median wall time of each step over ``rounds`` interleaved rounds (NOTE [timing:
-    interleaved rounds]: each step timed right after itself): wall time, the clock planning's
-    own seconds are read on."""
-
-    def wall(step: Any) -> float:
-        start = time.perf_counter()
-        step()
-        return time.perf_counter() - start
-
-    samples = interleaved_rounds(list(steps.values()), rounds, wall)
-    return {name: statistics.median(values) for name, values in zip(steps, samples, strict=True)}
+    interleaved rounds]): wall time, the clock planning's own seconds are read on."""
+    return interleaved_seconds(steps, rounds, wall_seconds)
 
 
 def _child(request_text: str) -> None:
