@@ -47,7 +47,7 @@ from autockpt.costs.problem import DEFAULT_MAX_STAGES
 from autockpt.costs.record import ACCUMULATED_GRADIENTS
 from autockpt.errors import BatchSizeError, InfeasibleBudgetError
 from autockpt.plan import Plan
-from autockpt.planning.prepared import ProgressFn
+from autockpt.planning.request import ProgressFn
 from solvers import replay
 
 __all__ = ["OBJECTIVES", "BatchCandidate", "BatchFit", "fit_batch"]
@@ -143,6 +143,9 @@ def fit_batch(
     :class:`InfeasibleBudgetError` when even ``multiple_of`` does not fit, and
     :class:`BatchSizeError` when ``make_inputs`` fails or its inputs do not change with ``n``.
     See the module docstring for how sizes are searched and what it assumes.
+
+    Why this is long: the front door's signature and this docstring are most of it; the
+    body checks every argument before any work, then hands the search to one object.
     """
     budget_gb = check_budget_gb(budget_gb)
     if objective not in OBJECTIVES:
@@ -442,9 +445,11 @@ def _growth_per_size(planner: Planner, size: int) -> float:
     state), spread over the size. It errs high (the activations of a small size are no
     smaller than linear), so the first guess lands below the answer, where a planner is not
     wasted: the secant through it and the first size is then close."""
-    prof = planner.__dict__.get("profile")
-    if prof is None:  # planned as units (a root not captured whole): the line through the origin
+    if (
+        planner.nested is not None
+    ):  # planned as units (a root not captured whole): the line through the origin
         return planner.minimum_peak_bytes / size
+    prof = planner.profile
     lean = planner.search.leanest()
     node_ranges, stash = planner.predictor.node_ranges(lean.segments)
     curve = replay.timeline(planner.trace, node_ranges, stash, lean.kept or None)

@@ -1319,7 +1319,7 @@ def _survey(
         budget = (low + high) // 2
         # A root that cannot be captured has its submodule calls planned as units
         # (autockpt/planning/nested.py): the graph facts are the units' together.
-        nested = planner.__dict__.get("nested")
+        nested = planner.nested
         inners = [planner] if nested is None else nested.planners
         row.update(
             capture=inners[0].capture.method,

@@ -1,4 +1,4 @@
-"""A compiled model's fastest step within the budget (autockpt/planning/compiled.py, NOTE
+"""A compiled model's fastest step within the budget (autockpt/planning/routes/compiled.py, NOTE
 [compiled: partitioner budgets]): autockpt's plan and torch.compile's own partitions at
 several ``activation_memory_budget`` values, each measured compiled. The backend here is
 ``aot_eager_decomp_partition`` (the same min-cut partitioner as inductor, no code
@@ -17,7 +17,7 @@ from torch import nn
 import autockpt
 from autockpt.errors import GIB, PlanMismatchError
 from autockpt.plan import Plan
-from autockpt.planning.compiled import Candidate, check_compile_budgets, fastest_within
+from autockpt.planning.routes.compiled import Candidate, check_compile_budgets, fastest_within
 from autockpt.rewrite.apply import compile_budget, unwrap
 from autockpt_zoo.toy import gpt
 from tests.conftest import train_step
@@ -87,7 +87,7 @@ def _partitions_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
             for m, s in zip(modules, seconds, strict=True)
         ]
 
-    monkeypatch.setattr("autockpt.api.time_steps", faster)
+    monkeypatch.setattr("autockpt.planning.routes.compiled.time_steps", faster)
 
 
 def _optimize(model: nn.Module, example, budget_bytes: int, **kwargs) -> nn.Module:
@@ -199,7 +199,7 @@ def test_a_second_process_reads_the_candidates_and_picks_the_same(small_gpt, sto
 
 
 def test_compile_budgets_are_checked_before_any_work(monkeypatch, small_gpt):
-    monkeypatch.setattr("autockpt.api.capture", lambda *a, **k: pytest.fail("captured"))
+    monkeypatch.setattr("autockpt.planning.routes.capture", lambda *a, **k: pytest.fail("captured"))
     model, example = small_gpt
     with pytest.raises(ValueError, match="un-checkpointed"):
         autockpt.optimize(model, example, budget_gb=1.0, compile_budgets=(0.5, 1.0))

@@ -94,7 +94,7 @@ def test_bad_budget_is_refused_before_capture(budget, expected, monkeypatch):
     def no_capture(*args, **kwargs):
         raise AssertionError("capture ran before the budget was checked")
 
-    monkeypatch.setattr("autockpt.api.capture", no_capture)
+    monkeypatch.setattr("autockpt.planning.routes.capture", no_capture)
     model, x = net()
     with pytest.raises(expected, match="budget_gb") as error:
         autockpt.optimize(model, x, budget_gb=budget)
@@ -118,7 +118,7 @@ def test_planner_refuses_bad_budget_before_solving(planned_net, budget, monkeypa
     def no_search(*args, **kwargs):
         raise AssertionError("solved before the budget was checked")
 
-    monkeypatch.setattr(planner, "_search", no_search)
+    monkeypatch.setattr(planner.route, "solve", no_search)
     with pytest.raises(BudgetError):
         planner.optimize(budget_gb=budget)
 
@@ -132,7 +132,7 @@ def test_good_budgets_of_other_number_types_are_accepted(planned_net):
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "eight"])
 def test_cli_refuses_bad_budget_as_a_usage_error(value, capsys, monkeypatch):
-    monkeypatch.setattr("autockpt.api.capture", lambda *a, **k: pytest.fail("captured"))
+    monkeypatch.setattr("autockpt.planning.routes.capture", lambda *a, **k: pytest.fail("captured"))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["plan", "autockpt.zoo:gpt", "--budget-gb", value])
     assert exit_info.value.code == cli.EXIT_USAGE
@@ -344,7 +344,7 @@ def test_results_of_one_plan_share_their_generated_code(planned_gpt):
 
 
 def test_model_compiled_in_place_is_refused_before_capture(monkeypatch):
-    monkeypatch.setattr("autockpt.api.capture", lambda *a, **k: pytest.fail("captured"))
+    monkeypatch.setattr("autockpt.planning.routes.capture", lambda *a, **k: pytest.fail("captured"))
     model, x = net()
     model.compile(backend="aot_eager")
     with pytest.raises(CompileError, match=r"torch.compile\(model\) before optimize"):

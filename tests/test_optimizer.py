@@ -170,7 +170,7 @@ def test_the_plan_records_the_optimizer_and_round_trips():
 
 
 def test_bad_optimizers_are_refused_before_any_work(monkeypatch):
-    monkeypatch.setattr("autockpt.api.capture", lambda *a, **k: pytest.fail("captured"))
+    monkeypatch.setattr("autockpt.planning.routes.capture", lambda *a, **k: pytest.fail("captured"))
     model, inputs = gpt()
     other, _ = gpt(seed=1)
     with pytest.raises(OptimizerError, match="not parameters of this GPT"):

@@ -56,7 +56,7 @@ from autockpt.base.precision import Precision
 from autockpt.capture.captured import Capture
 from autockpt.costs.profile import Profile
 from autockpt.costs.timing import clear_store
-from autockpt.planning.prepared import Request
+from autockpt.planning.request import Request
 from solvers import Solution
 from solvers.replay import MemoryTrace
 

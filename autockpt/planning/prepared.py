@@ -29,9 +29,6 @@ resident: one memory model for the whole iteration.
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +38,7 @@ from autockpt.base.allocations import StorageSet
 from autockpt.base.inputs import Inputs
 from autockpt.base.optimizer import state_bytes
 from autockpt.base.precision import Precision
-from autockpt.base.runtime import LossFn, device_of, release_freed_heap
+from autockpt.base.runtime import device_of, release_freed_heap
 from autockpt.capture.captured import Capture
 from autockpt.costs.blocks import (
     PerBlockPlan,
@@ -56,71 +53,10 @@ from autockpt.costs.profile import Profile, profile, trained_parameters
 from autockpt.costs.record import ACCUMULATED_GRADIENTS, OPTIMIZER_STATE, record_trace
 from autockpt.costs.timing import TIMING_PASSES
 from autockpt.plan import RankMemory
-from autockpt.planning.sharding import Sharding, check_units_called, rank_problem
+from autockpt.planning.request import Phases, Request, logger
+from autockpt.planning.sharding import check_units_called, rank_problem
 from solvers import ChainProblem
 from solvers.replay import MemoryTrace
-
-ProgressFn = Callable[[str], None]
-"""Called with a short description (``"profiling"``) as each planning stage begins."""
-
-logger = logging.getLogger("autockpt")
-"""Where planning reports its phases: at INFO as each begins (what the progress callback is
-told) and ends (its wall seconds). The library adds no handler but a ``NullHandler``:
-``logging.basicConfig(level=logging.INFO)`` shows them."""
-
-
-class Phases:
-    """Wall seconds per planning phase (capture, profile, record, search, verify), and the
-    progress callback told as each begins; both are logged (:data:`logger`). One phase runs
-    at a time; starting one ends the one before."""
-
-    def __init__(self, progress: ProgressFn) -> None:
-        self.progress = progress
-        self.seconds: dict[str, float] = {}
-        self._running: tuple[str, float] | None = None
-
-    def start(self, name: str, description: str) -> None:
-        self.stop()
-        self._running = (name, time.perf_counter())
-        logger.info("%s: %s", name, description)
-        self.progress(description)
-
-    def stop(self) -> None:
-        if self._running is not None:
-            name, started = self._running
-            seconds = time.perf_counter() - started
-            logger.info("%s: done in %.2f s", name, seconds)
-            self.add(name, seconds)
-        self._running = None
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a planner is asked for, checked before any work: the options every phase reads."""
-
-    scope: str
-    loss_fn: LossFn | None
-    leaf_modules: tuple[str, ...]
-    """The user's leaf modules (FSDP units are added to them: :attr:`leaves`)."""
-    max_stages: int
-    sharding: Sharding
-    optimizer: torch.optim.Optimizer | None = None
-    """The training loop's optimizer: the budget covers its state and its step (the whole
-    iteration from steady state; NOTE [record: optimizer step])."""
-    accumulation_steps: int = 1
-    probe: bool = True
-    """Whether the profile's probe runs (False: shapes alone, a lower bound of the peak)."""
-
-    @property
-    def leaves(self) -> tuple[str, ...]:
-        """Modules captured as single calls: the user's, then the FSDP units, which stay
-        module calls so that ``fully_shard``'s hooks fire and checkpoint segments hold
-        whole units (autockpt/planning/sharding.py)."""
-        given = self.leaf_modules
-        return given + tuple(u for u in self.sharding.units if u not in given)
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,7 +195,10 @@ def prepare(
     """Profile, chain, record and the per-rank terms of a captured model (phases 2-5 of the
     module docstring), in training mode, leaving everything as found (the caller's
     ``as_found`` block). ``reused``: the profile and recorded step of an earlier call with
-    the same key (autockpt/planning/cache.py), taken instead of phases 2 and 3."""
+    the same key (autockpt/planning/cache.py), taken instead of phases 2 and 3.
+
+    Why this is long: phases 2-5 in a straight line, each a few calls whose results the
+    next reads; split, the frozen record's fields would travel through four signatures."""
     sharding = request.sharding
     check_units_called(captured, sharding.units)
     if reused is not None:

@@ -1,5 +1,10 @@
-"""A compiled model's fastest step within the budget: autockpt's plan, or torch.compile's own
-recompute told what peak to hit.
+"""The compiled route: a model that came under ``torch.compile``. Its fastest step within the
+budget: autockpt's plan, or torch.compile's own recompute told what peak to hit.
+
+What this route decides (:class:`CompiledRoute`): which of the captured graph's verified plan
+(compiled as the user compiled it) and compile's own partitions is handed back. Its range and
+its plans are the captured graph's route (held as a value, :class:`GraphAnswers`); what it
+adds is measuring the candidates compiled, below.
 
 NOTE [compiled: partitioner budgets]. ``torch.compile`` has its own recompute knob,
 ``torch._functorch.config.activation_memory_budget``: a fraction of the bytes its min-cut
@@ -45,11 +50,20 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from autockpt.costs.timing import STORE_VERSION, Timing, publish, read_stored, stored_beside
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure import Measurement, time_steps
+from autockpt.plan import Plan
+from autockpt.planning.request import Phases, Request
+from autockpt.planning.routes.base import Finish, Replan, Solve
+from autockpt.rewrite.apply import CompiledHandBack, rewrite_for_training
+from autockpt.rewrite.result import mark_verified_compiled
+from solvers import Solution
 
 COMPILE_BUDGETS: tuple[float, ...] = (0.1, 0.3, 0.5)
 """The partitioner budgets tried by default: the points users set and issue reports name."""
@@ -112,7 +126,11 @@ def fastest_within(
     may be at a larger one. A candidate that is timed here or handed back has its own peak
     measured here first, whatever is stored: a compiled module can run eagerly (dynamo
     gives up on a frame after its recompile limit), and then it keeps everything; such a
-    step is over the budget and neither timed nor chosen."""
+    step is over the budget and neither timed nor chosen.
+
+    Why this is long: peaks, then side-by-side times, then the choice, all over one list of
+    runs that each step updates in place; the store's rules (NOTE [compiled: one clock])
+    read in one order here."""
     runs: list[Run] = []
     now: set[int] = set()  # candidates whose own step was measured in this call
 
@@ -294,3 +312,189 @@ def compiled_notes(
                 )
         lines.append(f"{candidate.label}: {said}")
     return tuple(lines)
+
+
+class GraphAnswers(Protocol):
+    """What the compiled route asks of the captured graph's route it is composed over
+    (NOTE [routes: protocol]; autockpt/planning/routes/captured.py)."""
+
+    model: nn.Module
+    inputs: Any
+    request: Request
+    phases: Phases
+    hand_back: Any
+    capture: Any
+    profile: Any
+    meta: bool
+    minimum_peak_bytes: int
+    no_checkpoint_peak_bytes: int
+    breakdown: dict[str, int]
+    planning_peak_bytes: int | None
+
+    def solve(self, budget_bytes: int, how: Solve) -> Solution: ...
+    def optimize(
+        self, budget_bytes: int, how: Solve, finish: Finish, replan: Replan
+    ) -> nn.Module: ...
+    def fit(self, budget_bytes: int, how: Solve) -> nn.Module: ...
+    def plan_of(self, solution: Solution, budget_bytes: int) -> Plan: ...
+    def measure(self, result: nn.Module, timed: bool = False) -> Measurement: ...
+    def budgeted_bytes(self, measurement: Measurement) -> int: ...
+    def measured_infeasible(
+        self, budget_bytes: int, underestimate: int
+    ) -> InfeasibleBudgetError: ...
+    def as_written_or_none(self) -> int | None: ...
+
+
+class CompiledRoute:
+    """NOTE [compiled: partitioner budgets], as a route over the captured graph's: the same
+    range and plans; :meth:`optimize` measures compile's own partitions beside the plan."""
+
+    def __init__(self, graph: GraphAnswers) -> None:
+        assert isinstance(graph.hand_back, CompiledHandBack)
+        self.graph = graph
+        self.hand_back: CompiledHandBack = graph.hand_back
+
+    @property
+    def minimum_peak_bytes(self) -> int:
+        return self.graph.minimum_peak_bytes
+
+    @property
+    def no_checkpoint_peak_bytes(self) -> int:
+        return self.graph.no_checkpoint_peak_bytes
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return self.graph.breakdown
+
+    @property
+    def planning_peak_bytes(self) -> int | None:
+        return self.graph.planning_peak_bytes
+
+    @property
+    def meta(self) -> bool:
+        return self.graph.meta
+
+    def solve(self, budget_bytes: int, how: Solve) -> Solution:
+        return self.graph.solve(budget_bytes, how)
+
+    def as_written_or_none(self) -> int | None:
+        return self.graph.as_written_or_none()
+
+    def optimize(self, budget_bytes: int, how: Solve, finish: Finish, replan: Replan) -> nn.Module:
+        """The fastest of the graph's verified plan and compile's partitions at
+        ``how.compile_budgets`` (measured only when verifying on a real device; else the
+        graph's plan alone), ``finish``-ed."""
+        graph = self.graph
+        if not how.verify or graph.meta:
+            fractions: tuple[float, ...] = ()
+        elif how.compile_budgets is None:
+            fractions = COMPILE_BUDGETS
+        else:
+            fractions = check_compile_budgets(how.compile_budgets)
+        if not fractions:
+            return graph.optimize(budget_bytes, how, finish, replan)
+        try:
+            try:
+                planned = graph.fit(budget_bytes, how)
+            except InfeasibleBudgetError as error:
+                # compile's own partitions may still fit (NOTE [compiled: partitioner budgets])
+                result = self._fastest(None, budget_bytes, fractions, error, finish)
+            else:
+                result = self._fastest(planned, budget_bytes, fractions, None, finish)
+        finally:
+            graph.phases.stop()
+        finish(result)
+        return result
+
+    def _fastest(
+        self,
+        planned: nn.Module | None,
+        budget_bytes: int,
+        fractions: tuple[float, ...],
+        infeasible: InfeasibleBudgetError | None,
+        finish: Finish,
+    ) -> nn.Module:
+        """The fastest of the verified plan (``planned``; None: no plan fits) and the model
+        compiled at each partitioner budget, by measured peak and time (NOTE [compiled:
+        partitioner budgets]). ``finish`` sets the result's precision-change rule before its
+        last measured step: dynamo guards on it, and set afterwards it made the user's first
+        step compile again, which kept 16-64 bytes more than the step planning measured (over
+        the budget at compile's own 0.5 point on GPT-2)."""
+        graph, hand_back = self.graph, self.hand_back
+        graph.phases.start("verify", "measuring torch.compile's own partitions")
+        backend = hand_back.backend_name + repr(getattr(hand_back.context, "_dynamic", None))
+        plain = rewrite_for_training(graph.model, graph.capture, [], graph.inputs)
+        candidates = [
+            Candidate(
+                hand_back.at_budget(plain, fraction),
+                fraction,
+                candidate_key(backend, fraction, None),
+            )
+            for fraction in fractions
+        ]
+        if planned is not None:
+            plan = planned.plan
+            segments = [(s.first_node, s.last_node, s.kept_ops) for s in plan.segments]
+            key = candidate_key(backend, None, segments)
+            candidates.insert(0, Candidate(planned, None, key))
+
+        def measure_peak(module: nn.Module) -> tuple[int, int]:
+            checked = graph.measure(module)
+            return graph.budgeted_bytes(checked), checked.peak_bytes
+
+        def side_by_side(modules: list[nn.Module]) -> list[float]:
+            with graph.request.precision.entered():
+                return time_steps(modules, graph.inputs, loss_fn=graph.request.loss_fn)
+
+        while True:
+            best, runs = fastest_within(
+                candidates, budget_bytes, graph.profile.timing, measure_peak, side_by_side
+            )
+            if best is None:
+                if infeasible is not None:
+                    raise infeasible
+                raise graph.measured_infeasible(budget_bytes, 0)
+            result = self._handed_back(candidates, runs, best, budget_bytes)
+            finish(result)
+            # The module as handed back, its final plan and re-plan in place (dynamo guards
+            # on both, so this step compiles it once more): its own step is the promise, and
+            # the user's first step compiles nothing.
+            final = graph.measure(result)
+            if graph.budgeted_bytes(final) <= budget_bytes:
+                # recorded in place: a new plan object would fail dynamo's guard on it and
+                # compile the module once more, which is not the step just measured
+                object.__setattr__(result.plan, "measured_peak_bytes", final.peak_bytes)
+                return result
+            candidates = [c for k, c in enumerate(candidates) if k != best]
+
+    def _handed_back(
+        self, candidates: list[Candidate], runs: list[Run], best: int, budget_bytes: int
+    ) -> nn.Module:
+        """The chosen compiled candidate with its plan (NOTE [compiled: partitioner
+        budgets])."""
+        notes = compiled_notes(candidates, runs, best, budget_bytes)
+        chosen, run = candidates[best], runs[best]
+        result = chosen.module
+        if chosen.fraction is None:
+            result.plan = dataclasses.replace(
+                result.plan,
+                measured_step_seconds=run.seconds,
+                notes=(*result.plan.notes, *notes),
+            )
+            return result
+        # no segments: the partitioner recomputes; peak and step measured compiled
+        empty = Solution([], 0.0, 0, "feasible", "compile", 0.0, None)
+        plan = self.graph.plan_of(empty, budget_bytes)
+        mark_verified_compiled(result._orig_mod)
+        result.plan = dataclasses.replace(
+            plan,
+            compile_memory_budget=chosen.fraction,
+            predicted_peak_bytes=run.peak_bytes,
+            predicted_recompute_seconds=0.0,
+            predicted_step_seconds=run.seconds,
+            recompute_fraction=0.0,
+            measured_peak_bytes=run.peak_bytes,
+            measured_step_seconds=run.seconds,
+            notes=(*plan.notes, *notes),
+        )
+        return result

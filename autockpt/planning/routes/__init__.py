@@ -1,0 +1,72 @@
+"""The routes of planning: one module per way a model is planned, behind one protocol.
+
+==========================  ============================================================
+``routes/base.py``          the protocol every route answers (NOTE [routes: protocol]),
+                            the options of a solve, the one real step a route measures
+``routes/captured.py``      a model whose forward is captured whole (fx or torch.export):
+                            one graph, the replay, the search (NOTE [routes: captured graph])
+``routes/compiled.py``      a model under ``torch.compile``: the captured graph's route, and
+                            compile's own partitions measured beside its plan (NOTE
+                            [compiled: partitioner budgets])
+``routes/units.py``         a root whose own forward cannot be captured: its submodule
+                            calls planned as units under one budget (NOTE [nested: units])
+==========================  ============================================================
+
+The routes import nothing from each other (tests/test_house.py checks it): the compiled
+route holds the captured graph's route as a value it is given. :func:`choose_route` is the
+one place the choice is made, once per model, from the capture's outcome; a new way of
+planning is a new module here and one more branch of that choice, never a branch inside
+another route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from autockpt.base.inputs import Inputs
+from autockpt.capture.front import capture
+from autockpt.errors import TraceError
+from autockpt.planning.prepared import PlanningPeak
+from autockpt.planning.request import Phases, ProgressFn, Request
+from autockpt.planning.routes.base import Route
+from autockpt.planning.routes.captured import CapturedRoute
+from autockpt.planning.routes.compiled import CompiledRoute
+from autockpt.planning.routes.units import PlanUnit, plan_units
+from autockpt.rewrite.apply import same
+
+__all__ = ["Route", "choose_route"]
+
+
+def choose_route(
+    model: nn.Module,
+    inputs: Inputs,
+    request: Request,
+    *,
+    phases: Phases,
+    planning_peak: PlanningPeak,
+    hand_back: Callable[[nn.Module], nn.Module],
+    budget_bytes: int | None,
+    progress: ProgressFn,
+    plan_unit: PlanUnit,
+) -> Route:
+    """Capture ``model`` and choose how it is planned. A graph of the whole step: the
+    captured graph's route (compiled over it when the model came compiled). A capture that
+    fails in the root's own code (an input check, a LayerDrop loop; not when sharded or on
+    the meta device, where units cannot be found by running the forward): the units route.
+    Called inside the caller's ``as_found`` and ``training_mode`` blocks."""
+    phases.start("capture", "capturing the graph")
+    try:
+        captured = capture(model, inputs, leaf_modules=request.leaves)
+    except TraceError as error:
+        # Before any profiling of the root: data-dependent code in the root itself
+        # (an input check) runs eagerly around a submodule that is planned instead.
+        device = request.device
+        if not error.in_root_code or request.sharding.active or device.type == "meta":
+            raise
+        return plan_units(model, inputs, request, error, phases, progress, plan_unit, hand_back)
+    graph = CapturedRoute(
+        model, inputs, request, captured, phases, planning_peak, hand_back, budget_bytes
+    )
+    return graph if hand_back is same else CompiledRoute(graph)
