@@ -278,7 +278,7 @@ def test_default_loss_without_a_differentiable_tensor_says_to_pass_loss_fn(outpu
 def test_meta_device_profile_estimates_times_from_flops_and_sees_saved_storages():
     """On the meta device nothing runs for real: saved storages are still found (by storage
     identity, every meta address being 0), times come from FLOPs, dropout counts as random."""
-    from autockpt.costs.profile import NOMINAL_RATES, estimated_seconds
+    from autockpt.costs.cost_model import NOMINAL_RATES, estimated_seconds
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 8))

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import autockpt
 from autockpt.api import Planner
-from autockpt.costs.profile import KEEP_OVERHEAD_SECONDS
+from autockpt.costs.cost_model import KEEP_OVERHEAD_SECONDS
 from autockpt.errors import GIB, PlanMismatchError
 from autockpt.plan import KeptOp, Plan
 from autockpt.planning.specs import kept_calls

@@ -1,7 +1,7 @@
 """The one recording layer for allocations: what the allocator reports, and what operators
 return.
 
-Two witnesses, used together by the profile's probe (see ``autockpt/costs/profile.py``) and alone
+Two witnesses, used together by the profile's probe (see ``autockpt/costs/probe.py``) and alone
 elsewhere:
 
 * :func:`allocator_events` reads the PyTorch profiler's allocator events (``profile_memory=

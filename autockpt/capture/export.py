@@ -52,38 +52,14 @@ def _capture_export(
     notes: list[str],
     fx_failure: tuple[str, BaseException] | str | None,
 ) -> Capture:
-    # Export runs twice: with static shapes under the watch (what the model's Python does
-    # while traced, as on the fx path), then with dynamic sizes, unwatched: export's shape
-    # reasoning makes many Python calls in SymPy, and a profile hook on each of them more
-    # than quadrupled its time (tiny GPT-2: 1.0 s, 4.5 s watched). The model's code runs the
-    # same way in both (the same example inputs): what the first saw holds for the second.
+    """Capture ``model`` called with ``inputs`` by ``torch.export`` (non-strict), after fx
+    failed with ``fx_failure`` (the module and its error, or a reason): the graph with export's
+    guards taken out and run by the input check instead, and ``notes`` extended with what the
+    capture changed or could not keep."""
     dropped: list[str] = []
-    seen = _CheckpointSeen()
-    watch = _Watch(seen, model=model)
-    with rng_as_found() as found, warnings.catch_warnings(), _quiet_torch_logs(), watch:
-        warnings.simplefilter("ignore")
-        exported = _export(model, inputs, None, dropped)
-        moved = found.changed()
-    _check_export_kept(model, watch, moved, fx_failure)
+    exported, watch, seen = _export_watched(model, inputs, dropped, fx_failure)
     dynamic = _dynamic_shapes(model, inputs)
-    dynamic_failure: BaseException | None = None
-    if dynamic is not None:
-        with rng_as_found(), warnings.catch_warnings(), _quiet_torch_logs():
-            warnings.simplefilter("ignore")
-            try:
-                sized = _export(model, inputs, dynamic, dropped)
-            except Exception as error:  # noqa: BLE001 - the static graph stands
-                dynamic_failure = error
-            else:
-                # Symbolic sizes can turn a size computation into a value read (DeBERTa's
-                # relative positions: ``.item()``), which planning must refuse; the static
-                # graph computes those sizes as constants.
-                if _value_reads(sized) > _value_reads(exported):
-                    dynamic_failure = RuntimeError(
-                        "with symbolic sizes the graph reads tensor values (.item())"
-                    )
-                else:
-                    exported = sized
+    exported, dynamic_failure = _export_dynamic(model, inputs, exported, dynamic, dropped)
     gm = exported.module()
     assigned = _keep_assignments(gm, watch, fx_failure)
     if seen.saw_checkpoint:
@@ -95,14 +71,7 @@ def _capture_export(
             f"optimized model: {', '.join(sorted(set(dropped)))} (a training step does not "
             "use them; turn them off in the model, e.g. use_cache=False, to silence this)"
         )
-    # The guard submodule is not part of the user's tree: it is taken out of the graph and
-    # run by the input check instead (rewrite.py runs it before the graph).
-    guards = []
-    for node in list(gm.graph.nodes):
-        if node.op == "call_module" and str(node.target).startswith("_guards"):
-            guards.append(gm.get_submodule(str(node.target)))
-            gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    guards = _take_out_guards(gm)
     extras = {name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)}
     layouts = _input_layouts(gm, dict(exported.range_constraints))
     dims = tuple(
@@ -114,6 +83,80 @@ def _capture_export(
     )
     if "_in_spec" in extras:
         extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature(), layouts)
+    notes.append(_how_captured(fx_failure))
+    notes.extend(_assignment_and_size_notes(assigned, dynamic, dynamic_failure, dims))
+    return Capture(gm, "export", (), notes, extras, dims)
+
+
+def _export_watched(
+    model: nn.Module,
+    inputs: Inputs,
+    dropped: list[str],
+    fx_failure: tuple[str, BaseException] | str | None,
+) -> tuple[torch.export.ExportedProgram, _Watch, _CheckpointSeen]:
+    """The first of export's two runs: with static shapes under the watch (what the model's
+    Python does while traced, as on the fx path), refused where the graph does not run what
+    the model runs (:func:`_check_export_kept`). Also the watch and what it saw of
+    checkpoints.
+
+    Export runs twice: this one, then with dynamic sizes, unwatched
+    (:func:`_export_dynamic`): export's shape reasoning makes many Python calls in SymPy,
+    and a profile hook on each of them more than quadrupled its time (tiny GPT-2: 1.0 s,
+    4.5 s watched). The model's code runs the same way in both (the same example inputs):
+    what the first saw holds for the second."""
+    seen = _CheckpointSeen()
+    watch = _Watch(seen, model=model)
+    with rng_as_found() as found, warnings.catch_warnings(), _quiet_torch_logs(), watch:
+        warnings.simplefilter("ignore")
+        exported = _export(model, inputs, None, dropped)
+        moved = found.changed()
+    _check_export_kept(model, watch, moved, fx_failure)
+    return exported, watch, seen
+
+
+def _export_dynamic(
+    model: nn.Module,
+    inputs: Inputs,
+    exported: torch.export.ExportedProgram,
+    dynamic: Any | None,
+    dropped: list[str],
+) -> tuple[torch.export.ExportedProgram, BaseException | None]:
+    """The second of export's two runs (see :func:`_export_watched`), with the batch and
+    sequence sizes of ``dynamic`` (:func:`_dynamic_shapes`): its graph, or ``exported`` (the
+    static one) and why the dynamic one could not stand; ``exported`` and ``None`` when
+    nothing is dynamic."""
+    if dynamic is None:
+        return exported, None
+    with rng_as_found(), warnings.catch_warnings(), _quiet_torch_logs():
+        warnings.simplefilter("ignore")
+        try:
+            sized = _export(model, inputs, dynamic, dropped)
+        except Exception as error:  # noqa: BLE001 - the static graph stands
+            return exported, error
+        # Symbolic sizes can turn a size computation into a value read (DeBERTa's relative
+        # positions: ``.item()``), which planning must refuse; the static graph computes
+        # those sizes as constants.
+        if _value_reads(sized) > _value_reads(exported):
+            reads = RuntimeError("with symbolic sizes the graph reads tensor values (.item())")
+            return exported, reads
+    return sized, None
+
+
+def _take_out_guards(gm: fx.GraphModule) -> list[Any]:
+    """The export graph's guard submodules, erased from the graph (with the code only they
+    used): they are not part of the user's tree, and the input check runs them instead
+    (rewrite.py runs it before the graph)."""
+    guards = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module" and str(node.target).startswith("_guards"):
+            guards.append(gm.get_submodule(str(node.target)))
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    return guards
+
+
+def _how_captured(fx_failure: tuple[str, BaseException] | str | None) -> str:
+    """The capture's note that it used torch.export, and why fx could not."""
     note = "captured with torch.export (non-strict)"
     if isinstance(fx_failure, str):
         note += f" because {fx_failure}"
@@ -124,7 +167,18 @@ def _capture_export(
             note += f" because {where}'s own code {error}"
         else:
             note += f" because fx could not trace {where}: {type(error).__name__}: {error}"
-    notes.append(note)
+    return note
+
+
+def _assignment_and_size_notes(
+    assigned: tuple[str, ...],
+    dynamic: Any | None,
+    dynamic_failure: BaseException | None,
+    dims: tuple[str, ...],
+) -> list[str]:
+    """The capture's notes on the buffers the forward assigns and on the input sizes the
+    graph takes (``dims``: those export kept dynamic)."""
+    notes = []
     if assigned:
         notes.append(
             f"torch.export keeps the assignment of {', '.join(assigned)} in forward as an "
@@ -150,7 +204,7 @@ def _capture_export(
             "torch.export fixed every input size while tracing, so the graph is specialised "
             "to the planned input shapes: a call with other shapes raises PlanMismatchError"
         )
-    return Capture(gm, "export", (), notes, extras, dims)
+    return notes
 
 
 def _value_reads(exported: Any) -> int:

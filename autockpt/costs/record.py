@@ -441,24 +441,7 @@ def _with_workspaces(
     except the windows that convert autocast casts' gradients back to float32
     (``conversions``, NOTE [record: autocast cache]): the probe measured the node without them."""
     windows = trace.windows
-    last_backward: dict[int, int] = {}
-    forward_window: dict[int, int] = {}
-    for w, win in enumerate(windows):
-        if win.phase == BACKWARD:
-            last_backward[win.node] = w
-        elif win.phase == FORWARD:
-            forward_window[win.node] = w
-    sizes = list(trace.sizes)
-    before: dict[int, list[int]] = {}  # window -> allocation ids whose event opens it
-    after: dict[int, list[int]] = {}  # window -> allocation ids whose event closes it
-
-    def span(size: int, opens: int, closes: int, at_start: bool) -> int:
-        a = len(sizes)
-        sizes.append(size)
-        (before if at_start else after).setdefault(opens, []).append(a)
-        after.setdefault(closes, []).append(a)
-        return a
-
+    spans = _Spans(list(trace.sizes))
     loss_windows = [w for w, win in enumerate(windows) if win.phase == LOSS]
     for w, win in enumerate(windows):
         size = {FORWARD: forward, BACKWARD: backward}.get(win.phase, {}).get(win.node, 0)
@@ -469,49 +452,94 @@ def _with_workspaces(
         if w in conversions:
             size = 0
         if size > 0:
-            span(size, w, w, at_start=True)
+            spans.add(size, w, w, at_start=True)
     # In a window with a workspace, where the allocator peaked is unknown: a recomputed copy
     # is kept to the window's eager free (NOTE [record: saved tensor release]), never dropped
     # before that peak.
-    spanned = set(before)
+    spanned = set(spans.before)
+    saved = _with_hidden_saved(spans, trace, hidden_saved)
+    if loss.held > 0 and loss_windows:  # held to the end of the loss's backward
+        spans.add(loss.held, loss_windows[0], loss_windows[-1], True)
+    if loss.kept > 0 and loss_windows:  # the output's gradients a measured loss leaves
+        spans.add(loss.kept, loss_windows[-1], len(windows) - 1, False)
+    events, position = spans.interleaved(trace.events, len(windows))
+    return dataclasses.replace(
+        trace,
+        events=tuple(events),
+        sizes=tuple(spans.sizes),
+        saved=tuple(tuple(sorted(ids)) for ids in saved),
+        last_pack=tuple(position[p] if p >= 0 else p for p in trace.last_pack),
+        unpacked=tuple((a, w, position[e]) for a, w, e in trace.unpacked if w not in spanned),
+    )
+
+
+class _Spans:
+    """Allocations added to a trace, each spanning windows (:func:`_with_workspaces`): ids
+    after the trace's own, each allocated as a window opens (or as one closes) and freed as
+    a later window, or the same one, closes."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes  # the trace's sizes, then the spans'
+        self.before: dict[int, list[int]] = {}  # window -> allocation ids whose event opens it
+        self.after: dict[int, list[int]] = {}  # window -> allocation ids whose event closes it
+
+    def add(self, size: int, opens: int, closes: int, at_start: bool) -> int:
+        """A new allocation of ``size`` bytes: allocated as window ``opens`` starts (or, not
+        ``at_start``, as it ends), freed as window ``closes`` ends. Returns its id."""
+        a = len(self.sizes)
+        self.sizes.append(size)
+        (self.before if at_start else self.after).setdefault(opens, []).append(a)
+        self.after.setdefault(closes, []).append(a)
+        return a
+
+    def interleaved(
+        self, recorded: Sequence[tuple[int, int]], num_windows: int
+    ) -> tuple[list[tuple[int, int]], list[int]]:
+        """``recorded`` with the spans' events among them, and where each recorded event
+        went (the last entry: the end). One pass in time order; windows only advance along
+        the event list."""
+        events: list[tuple[int, int]] = []
+        position = [0] * (len(recorded) + 1)  # old event index -> new one (for last_pack)
+        window = -1
+
+        def advance_to(target: int) -> None:
+            nonlocal window
+            while window < target:
+                if window >= 0:
+                    events.extend((a, window) for a in self.after.get(window, []))
+                window += 1
+                if window < num_windows:
+                    events.extend((a, window) for a in self.before.get(window, []))
+
+        for e, (a, w) in enumerate(recorded):
+            advance_to(w)
+            position[e] = len(events)
+            events.append((a, w))
+        advance_to(num_windows)
+        position[len(recorded)] = len(events)
+        return events, position
+
+
+def _with_hidden_saved(
+    spans: _Spans, trace: MemoryTrace, hidden_saved: Mapping[int, int]
+) -> list[list[int]]:
+    """Each node's allocations saved for backward, with a span of its hidden saved bytes
+    (:func:`_with_workspaces`) from the start of its forward to the end of its last backward
+    window added where it has any."""
+    last_backward: dict[int, int] = {}
+    forward_window: dict[int, int] = {}
+    for w, win in enumerate(trace.windows):
+        if win.phase == BACKWARD:
+            last_backward[win.node] = w
+        elif win.phase == FORWARD:
+            forward_window[win.node] = w
     saved = [list(ids) for ids in trace.saved]
     for node, size in sorted(hidden_saved.items()):
         if size > 0 and node in last_backward and node in forward_window:
             # allocated as the forward starts: before the node's saves, so a recompute that
             # stops after its last save (NOTE [record: early stop]) makes them again
-            saved[node].append(span(size, forward_window[node], last_backward[node], True))
-    if loss.held > 0 and loss_windows:  # held to the end of the loss's backward
-        span(loss.held, loss_windows[0], loss_windows[-1], True)
-    if loss.kept > 0 and loss_windows:  # the output's gradients a measured loss leaves
-        span(loss.kept, loss_windows[-1], len(windows) - 1, False)
-    # One pass in time order; windows only advance along the event list.
-    events: list[tuple[int, int]] = []
-    position = [0] * (len(trace.events) + 1)  # old event index -> new one (for last_pack)
-    window = -1
-
-    def advance_to(target: int) -> None:
-        nonlocal window
-        while window < target:
-            if window >= 0:
-                events.extend((a, window) for a in after.get(window, []))
-            window += 1
-            if window < len(windows):
-                events.extend((a, window) for a in before.get(window, []))
-
-    for e, (a, w) in enumerate(trace.events):
-        advance_to(w)
-        position[e] = len(events)
-        events.append((a, w))
-    advance_to(len(windows))
-    position[len(trace.events)] = len(events)
-    return dataclasses.replace(
-        trace,
-        events=tuple(events),
-        sizes=tuple(sizes),
-        saved=tuple(tuple(sorted(ids)) for ids in saved),
-        last_pack=tuple(position[p] if p >= 0 else p for p in trace.last_pack),
-        unpacked=tuple((a, w, position[e]) for a, w, e in trace.unpacked if w not in spanned),
-    )
+            saved[node].append(spans.add(size, forward_window[node], last_backward[node], True))
+    return saved
 
 
 class _NodeRunner(CaptureInterpreter):
@@ -571,8 +599,8 @@ class _NodeRunner(CaptureInterpreter):
 
 
 class _CastTracker(StorageTracker):
-    """The storage tracker, also noting the casts autocast keeps in its weight cache (note
-    4). Which casts those are is decided by autocast's own rule (:func:`held_by_cache`),
+    """The storage tracker, also noting the casts autocast keeps in its weight cache (NOTE
+    [record: autocast cache]). Which casts those are is decided by autocast's own rule (:func:`held_by_cache`),
     with the autocast state read before the step (inside its kernels autocast reports
     itself off)."""
 
@@ -664,118 +692,154 @@ def _record(
     static_storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
     tracker = _CastTracker({id(s) for s in static_storages}, cached_cast_dtypes())
     tracker.op_calls = {}
-    n = len(index_of)
-    windows: list[Window] = []
-    seq_owner: dict[int, int] = {}
-    created: set[int] = set()
-    last_pack = [-1] * n
-    cast_to = autocast_dtypes()
-    conversions: set[int] = set()  # sequence numbers (NOTE [record: autocast cache])
-    conversion_windows: set[int] = set()
-
+    recording = _Recording(tracker, len(index_of))
     runner = _NodeRunner(model, capture, index_of, tracker.key)
+    runner.on_node = recording.on_node
+    runner.on_pack = recording.on_pack
+    runner.on_result = recording.on_result
+    gradients = _run_step(model, capture, inputs, loss_fn, runner, recording)
+    del static_storages
+    device = next((t.device for t in statics), torch.device("cpu"))
+    return (
+        _memory_trace(recording, runner, static, device),
+        tracker.op_log(),
+        tracker.held(),
+        recording.conversion_windows,
+        gradients - {None},
+    )
 
-    def on_node(i: int) -> None:
-        windows.append(Window(FORWARD, i))
-        tracker.window = len(windows) - 1
 
-    def on_pack(
-        i: int,
-    ) -> None:  # NOTE [record: early stop]: events so far precede node i's latest save
-        last_pack[i] = len(tracker.events)
+class _Recording:
+    """What :func:`_record` learns while the step runs, and the callbacks that learn it: the
+    windows in the order the step opens them, the compute node that created each autograd
+    node (its backward's windows are that node's), per node how many events precede its
+    latest save (NOTE [record: early stop]), the stand-ins backward formulas got for saved
+    tensors (NOTE [record: saved tensor release]) and the backward windows that convert
+    autocast casts' gradients (NOTE [record: autocast cache])."""
 
-    runner.on_node = on_node
-    runner.on_pack = on_pack
-    stand_ins: dict[
-        int, int
-    ] = {}  # allocation a backward got instead -> the saved one (NOTE [record: saved tensor release])
+    def __init__(self, tracker: _CastTracker, num_nodes: int) -> None:
+        self.tracker = tracker
+        self.windows: list[Window] = []
+        self.seq_owner: dict[int, int] = {}
+        self.created: set[int] = set()
+        self.last_pack = [-1] * num_nodes
+        self.cast_to = autocast_dtypes()
+        self.conversions: set[int] = set()  # sequence numbers (NOTE [record: autocast cache])
+        self.conversion_windows: set[int] = set()
+        # allocation a backward got instead -> the saved one (NOTE [record: saved tensor release])
+        self.stand_ins: dict[int, int] = {}
 
-    def on_unpack(t: torch.Tensor) -> torch.Tensor:
-        a = tracker.key(t)
+    def open(self, window: Window) -> None:
+        """Events from now on fall in ``window``, a new one."""
+        self.windows.append(window)
+        self.tracker.window = len(self.windows) - 1
+
+    def on_node(self, i: int) -> None:
+        self.open(Window(FORWARD, i))
+
+    def on_pack(self, i: int) -> None:
+        # NOTE [record: early stop]: events so far precede node i's latest save
+        self.last_pack[i] = len(self.tracker.events)
+
+    def on_unpack(self, t: torch.Tensor) -> torch.Tensor:
+        a = self.tracker.key(t)
         if a is None:
             return t
         # Same sizes and strides, a storage of its own (fake: no memory): it dies where a
         # checkpoint's recomputed copy would, as the backward formula lets go of it.
         stand_in = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-        s = tracker.key(stand_in)
+        s = self.tracker.key(stand_in)
         if s is not None:
-            stand_ins[s] = a
+            self.stand_ins[s] = a
         return stand_in
 
-    def backward_window_of(seq: int) -> int | None:
-        node = seq_owner.get(seq)
+    def backward_window_of(self, seq: int) -> int | None:
+        node = self.seq_owner.get(seq)
         if node is None:
             return None
-        converting = (
-            seq in conversions
-        )  # a window of its own, without workspace (NOTE [record: autocast cache])
+        # a window of its own, without workspace (NOTE [record: autocast cache])
+        converting = seq in self.conversions
+        windows = self.windows
         last = len(windows) - 1
-        if windows[-1] != Window(BACKWARD, node) or (last in conversion_windows) != converting:
+        if windows[-1] != Window(BACKWARD, node) or (last in self.conversion_windows) != converting:
             windows.append(Window(BACKWARD, node))
             if converting:
-                conversion_windows.add(len(windows) - 1)
+                self.conversion_windows.add(len(windows) - 1)
         return len(windows) - 1
 
-    def on_result(i: int, result: Any) -> None:
-        for seq in _forward_sequence_numbers(result, created, conversions, cast_to):
-            seq_owner.setdefault(seq, i)
-            created.add(seq)
+    def on_result(self, i: int, result: Any) -> None:
+        for seq in _forward_sequence_numbers(result, self.created, self.conversions, self.cast_to):
+            self.seq_owner.setdefault(seq, i)
+            self.created.add(seq)
 
-    runner.on_result = on_result
+
+def _run_step(
+    model: nn.Module,
+    capture: Capture,
+    inputs: Inputs,
+    loss_fn: LossFn,
+    runner: _NodeRunner,
+    recording: _Recording,
+) -> set[int | None]:
+    """The step under ``recording``'s tracker: the graph's forward (a window per compute
+    node), the loss's forward and its own backward (NOTE [record: loss windows]), then the
+    graph's backward (windows by autograd node). Returns the allocations of the parameters'
+    gradients."""
+    tracker = recording.tracker
     with tracker:
         output = capture.graph._codegen.process_outputs(
             runner.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
         )
         runner.env.clear()  # the interpreter would hold the graph's outputs through backward
-        windows.append(Window(LOSS, -1))
-        tracker.window = len(windows) - 1
+        recording.open(Window(LOSS, -1))
         loss, _ = loss_on_fake(loss_fn, output)
         del output
         # the loss's own backward: a window of its own, so that the forward's workspace
         # (a logsumexp's temporary) is not counted under the backward's gradients (NOTE
         # [record: loss windows])
-        windows.append(Window(LOSS, -1))
-        tracker.window = len(windows) - 1
-        tracker.backward_window_of = backward_window_of
+        recording.open(Window(LOSS, -1))
+        tracker.backward_window_of = recording.backward_window_of
         runner.on_pack = None
-        runner.on_unpack = on_unpack
+        runner.on_unpack = recording.on_unpack
         loss.backward()
         del loss
         gradients = {tracker.key(p.grad) for p in model.parameters() if p.grad is not None}
-    del static_storages
-    events, unpacked = _without_stand_ins(tracker.events, stand_ins)
-    device = next((t.device for t in statics), torch.device("cpu"))
+    return gradients
+
+
+def _memory_trace(
+    recording: _Recording, runner: _NodeRunner, static: int, device: torch.device
+) -> MemoryTrace:
+    """The recorded step as the replay reads it: its events without the stand-ins (NOTE
+    [record: saved tensor release]) and per node what it read, returned and saved."""
+    tracker = recording.tracker
+    events, unpacked = _without_stand_ins(tracker.events, recording.stand_ins)
+    windows = recording.windows
+    n = len(recording.last_pack)
 
     def ids(keys: list[Any]) -> tuple[int, ...]:
         return tuple(sorted({k for k in keys if k is not None}))
 
     forward_window = {win.node: w for w, win in enumerate(windows) if win.phase == FORWARD}
-
-    return (
-        MemoryTrace(
-            num_nodes=n,
-            windows=tuple(windows),
-            events=events,
-            sizes=tuple(tracker.sizes),
-            reads=tuple(ids(runner.reads[i]) for i in range(n)),
-            outputs=tuple(ids(runner.outputs[i]) for i in range(n)),
-            saved=tuple(ids(runner.saved[i]) for i in range(n)),
-            output_allocations=ids(runner.graph_outputs),
-            static_bytes=static,
-            source="storages",
-            # torch.get_rng_state() is a CPU tensor: a checkpoint's RNG stash counts where the
-            # budget counts CPU memory, and on the meta device (target unknown) to be safe.
-            rng_state_bytes=torch.get_rng_state().nbytes if device.type in ("cpu", "meta") else 0,
-            last_pack=tuple(last_pack),
-            unpacked=unpacked,
-            forward_ops=tuple(
-                tuple(tracker.op_calls.get(forward_window.get(i, -1), ())) for i in range(n)
-            ),
+    return MemoryTrace(
+        num_nodes=n,
+        windows=tuple(windows),
+        events=events,
+        sizes=tuple(tracker.sizes),
+        reads=tuple(ids(runner.reads[i]) for i in range(n)),
+        outputs=tuple(ids(runner.outputs[i]) for i in range(n)),
+        saved=tuple(ids(runner.saved[i]) for i in range(n)),
+        output_allocations=ids(runner.graph_outputs),
+        static_bytes=static,
+        source="storages",
+        # torch.get_rng_state() is a CPU tensor: a checkpoint's RNG stash counts where the
+        # budget counts CPU memory, and on the meta device (target unknown) to be safe.
+        rng_state_bytes=torch.get_rng_state().nbytes if device.type in ("cpu", "meta") else 0,
+        last_pack=tuple(recording.last_pack),
+        unpacked=unpacked,
+        forward_ops=tuple(
+            tuple(tracker.op_calls.get(forward_window.get(i, -1), ())) for i in range(n)
         ),
-        tracker.op_log(),
-        tracker.held(),
-        conversion_windows,
-        gradients - {None},
     )
 
 
