@@ -447,11 +447,7 @@ def plan_on_one_rank(
     if plan_rank is None:
         _check_world_size(request, size)
         return plan_here(request.budget_gb)
-    if isinstance(plan_rank, bool) or not isinstance(plan_rank, int) or not 0 <= plan_rank < size:
-        raise ShardingError(
-            f"plan_rank must be a rank of the process group (0 to {size - 1}) or None, got "
-            f"{plan_rank!r}"
-        )
+    _check_plan_rank(plan_rank, size)
     dist = torch.distributed
     rank = dist.get_rank()
     asked: list[PlanRequest | None] = [None] * size
@@ -462,37 +458,73 @@ def plan_on_one_rank(
     result: nn.Module | None = None
     own_error: Exception | None = None
     if rank == plan_rank:
-        try:
-            _check_world_size(request, size)
-            result = plan_here(budget_gb)
-            if note is not None and result.plan is not None:
-                plan = result.plan
-                result.plan = dataclasses.replace(plan, notes=(*plan.notes, note))
-            payload: _Planned | _Failure = _Planned(result.plan.to_json(), request)
-        except Exception as error:
-            _broadcast(_Failure.of(error, rank, "planning"), plan_rank)
-            raise
-        _broadcast(payload, plan_rank)
+        result = _plan_and_send(plan_here, request, size, budget_gb, note, plan_rank)
     else:
-        payload = _broadcast(None, plan_rank)
-        if isinstance(payload, _Failure):
-            raise payload.rebuild()
-        try:
-            result = apply_plan(Plan.from_json(payload.plan_json))
-        except Exception as error:
-            own_error = error
+        result, own_error = _receive_and_apply(apply_plan, plan_rank)
+    _share_apply_failures(own_error, rank, plan_rank, size)
+    assert result is not None
+    return result
+
+
+def _check_plan_rank(plan_rank: int, size: int) -> None:
+    """Refuse a ``plan_rank`` that names no rank of the group, before any collective."""
+    if isinstance(plan_rank, bool) or not isinstance(plan_rank, int) or not 0 <= plan_rank < size:
+        raise ShardingError(
+            f"plan_rank must be a rank of the process group (0 to {size - 1}) or None, got "
+            f"{plan_rank!r}"
+        )
+
+
+def _plan_and_send(
+    plan_here: Callable[[float], nn.Module],
+    request: PlanRequest,
+    size: int,
+    budget_gb: float,
+    note: str | None,
+    plan_rank: int,
+) -> nn.Module:
+    """On the planning rank: plan, then broadcast the plan or its failure, so no rank waits."""
+    try:
+        _check_world_size(request, size)
+        result = plan_here(budget_gb)
+        if note is not None and result.plan is not None:
+            plan = result.plan
+            result.plan = dataclasses.replace(plan, notes=(*plan.notes, note))
+        payload: _Planned | _Failure = _Planned(result.plan.to_json(), request)
+    except Exception as error:
+        _broadcast(_Failure.of(error, plan_rank, "planning"), plan_rank)
+        raise
+    _broadcast(payload, plan_rank)
+    return result
+
+
+def _receive_and_apply(
+    apply_plan: Callable[[Plan], nn.Module], plan_rank: int
+) -> tuple[nn.Module | None, Exception | None]:
+    """On another rank: apply the plan received, keeping a failure for the next collective."""
+    payload = _broadcast(None, plan_rank)
+    if isinstance(payload, _Failure):
+        raise payload.rebuild()
+    try:
+        return apply_plan(Plan.from_json(payload.plan_json)), None
+    except Exception as error:
+        return None, error
+
+
+def _share_apply_failures(
+    own_error: Exception | None, rank: int, plan_rank: int, size: int
+) -> None:
+    """Raise any rank's failure to apply the plan on every rank, so none goes on alone."""
     outcome = None
     if own_error is not None:
         outcome = _Failure.of(own_error, rank, f"applying the plan of rank {plan_rank}")
     outcomes: list[_Failure | None] = [None] * size
-    dist.all_gather_object(outcomes, outcome)
+    torch.distributed.all_gather_object(outcomes, outcome)
     if own_error is not None:
         raise own_error
     failures = [failure for failure in outcomes if failure is not None]
     if failures:
         raise failures[0].rebuild()
-    assert result is not None
-    return result
 
 
 def _group_size() -> int:

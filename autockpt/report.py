@@ -44,6 +44,11 @@ class MissingDependencyError(AutockptError):
 
 def plan_tables(plan: Plan) -> list[RenderableType]:
     """The plan as rich tables: overview, memory breakdown, predicted vs measured, segments."""
+    return [_overview_table(plan), _memory_table(plan), _peaks_table(plan), _segments_table(plan)]
+
+
+def _overview_table(plan: Plan) -> RenderableType:
+    """What the plan is for and who made it: the first thing a reader checks it against."""
     from rich.table import Table
 
     overview = Table(title=f"plan for {plan.model}", show_header=False, title_justify="left")
@@ -69,6 +74,12 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
     rows += [("note", note) for note in plan.notes]
     for row in rows:
         overview.add_row(*row)
+    return overview
+
+
+def _memory_table(plan: Plan) -> RenderableType:
+    """Where the predicted bytes go, so that a reader sees which part the budget squeezes."""
+    from rich.table import Table
 
     memory = Table(title="memory breakdown (predicted)", title_justify="left")
     memory.add_column("part")
@@ -95,6 +106,12 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
         memory.add_row(
             "calibration (measured, unseen by the graph)", format_bytes(plan.calibration_bytes)
         )
+    return memory
+
+
+def _peaks_table(plan: Plan) -> RenderableType:
+    """Predicted against measured peak and step time: how far the prediction can be trusted."""
+    from rich.table import Table
 
     peaks = Table(title="peak memory and step time", title_justify="left")
     peaks.add_column("")
@@ -132,6 +149,12 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
         f"({100 * plan.recompute_fraction:.1f}% of the step)",
         "",
     )
+    return peaks
+
+
+def _segments_table(plan: Plan) -> RenderableType:
+    """Each checkpointed segment, located in the model and the graph, with what it costs."""
+    from rich.table import Table
 
     segments = Table(title=f"{len(plan.segments)} checkpointed segment(s)", title_justify="left")
     for name, justify in (
@@ -160,7 +183,7 @@ def plan_tables(plan: Plan) -> list[RenderableType]:
             ", ".join(seg.restore_buffers) or "-",
             ", ".join(f"{kept.node} ({kept.op.split('.')[1]})" for kept in seg.kept_ops) or "-",
         )
-    return [overview, memory, peaks, segments]
+    return segments
 
 
 def _what_the_budget_covers(plan: Plan) -> str:
@@ -435,11 +458,12 @@ def frontier(
     """Solve ``budgets`` budgets evenly spaced from the leanest plan's peak to the captured
     graph's no-checkpoint peak (above it every budget gets the empty plan) with one profile;
     keep the Pareto-optimal plans; add the sqrt(n) and per-block plans. The right end's
-    reference, "no checkpointing", is the model as written (``as_written_peak_bytes``). ``measure`` rewrites and measures every point (slow: one real
-    step each). ``on_step(what, done, total)`` reports progress."""
+    reference, "no checkpointing", is the model as written (``as_written_peak_bytes``).
+    ``measure`` rewrites and measures every point (slow: one real step each).
+    ``on_step(what, done, total)`` reports progress."""
     if budgets < 2:
         raise ValueError(f"a frontier needs at least 2 budgets, got {budgets}")
-    nested = planner.__dict__.get("nested")
+    nested = planner.nested
     if nested is not None:
         raise ReportError(
             "no frontier for this model: its forward cannot be captured, so its submodule "
@@ -450,45 +474,13 @@ def frontier(
     report = on_step or (lambda what, done, total: None)
     low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
     step = planner.step_seconds
-    found: dict[tuple[tuple[int, int], ...], FrontierPoint] = {}
-    for k in range(budgets):
-        report("solving budgets", k, budgets)
-        budget = low + (high - low) * k // (budgets - 1)
-        try:
-            solution = planner.solve(max(budget, low), solver=solver)
-        except InfeasibleBudgetError:  # a heuristic (sqrt, greedy) may miss a low budget
-            continue
-        segments = tuple(tuple(seg) for seg in solution.segments)
-        if segments not in found:
-            # labelled with the solver's own status, as plan and show label it
-            found[segments] = _point(planner, solution.status, segments, step, budget)
-    report("solving budgets", budgets, budgets)
-    points = _pareto(list(found.values()))
+    points = _pareto(_points_across_budgets(planner, budgets, solver, low, high, step, report))
     sqrt_point = _point(planner, "sqrt(n)", tuple(_sqrt_segments(planner)), step)
     container, block_segments = repeated_block_segments(planner)
     per_block = _point(planner, "per block", block_segments, step) if block_segments else None
     if measure:
         todo = [*points, sqrt_point, *([per_block] if per_block else [])]
-        # Step times drift on a busy machine: time the unmodified model right before and
-        # right after the plans and compare against the mean of the two.
-        report("measuring plans", 0, len(todo) + 2)
-        before = _measure(planner, planner.model).step_seconds
-        results = []
-        for k, point in enumerate(todo):
-            report("measuring plans", k + 1, len(todo) + 2)
-            results.append(_measure(planner, planner.rewrite(point.segments)))
-        after = _measure(planner, planner.model).step_seconds
-        report("measuring plans", len(todo) + 2, len(todo) + 2)
-        base = (before + after) / 2
-        measured = [
-            dataclasses.replace(
-                point,
-                measured_peak_bytes=planner.budgeted_bytes(result),
-                measured_step_seconds=result.step_seconds,
-                measured_overhead=result.step_seconds / base - 1 if base > 0 else None,
-            )
-            for point, result in zip(todo, results, strict=True)
-        ]
+        measured = _measured_points(planner, todo, report)
         points = tuple(measured[: len(points)])
         sqrt_point = measured[len(points)]
         per_block = measured[len(points) + 1] if per_block else None
@@ -506,6 +498,58 @@ def frontier(
         per_block_note=None if block_segments else NO_BLOCKS,
         as_written_peak_bytes=planner.as_written_peak_bytes,
     )
+
+
+def _points_across_budgets(
+    planner: Planner,
+    budgets: int,
+    solver: str,
+    low: int,
+    high: int,
+    step: float,
+    report: Callable[[str, int, int], None],
+) -> list[FrontierPoint]:
+    """One point per distinct plan across evenly spaced budgets: the frontier's candidates."""
+    found: dict[tuple[tuple[int, int], ...], FrontierPoint] = {}
+    for k in range(budgets):
+        report("solving budgets", k, budgets)
+        budget = low + (high - low) * k // (budgets - 1)
+        try:
+            solution = planner.solve(max(budget, low), solver=solver)
+        except InfeasibleBudgetError:  # a heuristic (sqrt, greedy) may miss a low budget
+            continue
+        segments = tuple(tuple(seg) for seg in solution.segments)
+        if segments not in found:
+            # labelled with the solver's own status, as plan and show label it
+            found[segments] = _point(planner, solution.status, segments, step, budget)
+    report("solving budgets", budgets, budgets)
+    return list(found.values())
+
+
+def _measured_points(
+    planner: Planner, todo: list[FrontierPoint], report: Callable[[str, int, int], None]
+) -> list[FrontierPoint]:
+    """``todo`` with each plan's measured peak and step time: the frontier checked by real steps."""
+    # Step times drift on a busy machine: time the unmodified model right before and
+    # right after the plans and compare against the mean of the two.
+    report("measuring plans", 0, len(todo) + 2)
+    before = _measure(planner, planner.model).step_seconds
+    results = []
+    for k, point in enumerate(todo):
+        report("measuring plans", k + 1, len(todo) + 2)
+        results.append(_measure(planner, planner.rewrite(point.segments)))
+    after = _measure(planner, planner.model).step_seconds
+    report("measuring plans", len(todo) + 2, len(todo) + 2)
+    base = (before + after) / 2
+    return [
+        dataclasses.replace(
+            point,
+            measured_peak_bytes=planner.budgeted_bytes(result),
+            measured_step_seconds=result.step_seconds,
+            measured_overhead=result.step_seconds / base - 1 if base > 0 else None,
+        )
+        for point, result in zip(todo, results, strict=True)
+    ]
 
 
 def _point(

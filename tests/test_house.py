@@ -189,3 +189,32 @@ def test_the_routes_import_nothing_from_each_other() -> None:
     assert {f"{ROUTES}.captured", f"{ROUTES}.compiled", f"{ROUTES}.units"} <= routes
     crossing = [(s, t) for s, t, _ in EDGES if s in routes and t in routes]
     assert crossing == []
+
+
+def _map_entries() -> dict[str, str]:
+    """docs/design.md's map as {file or folder path: its floor column ("" when none)}: each
+    line names one file or folder, indented two spaces per level."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text.split("## The map", 1)[1].split("```", 2)[1]
+    entries, stack = {}, []
+    for line in block.splitlines():
+        stripped = line.lstrip(" ")
+        name = stripped.split(" ", 1)[0]
+        if not name.endswith((".py", "/")):
+            continue  # a description carried over to the next line
+        depth = (len(line) - len(stripped)) // 2
+        stack = [*stack[:depth], name.rstrip("/")]
+        rest = stripped[len(name) :].split()
+        entries["/".join(stack)] = rest[0] if rest and (rest[0].isdigit() or rest[0] == "-") else ""
+    return entries
+
+
+def test_the_map_lists_every_file_of_the_library_on_its_floor() -> None:
+    entries = _map_entries()
+    files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "autockpt").rglob("*.py")}
+    assert sorted(files - set(entries)) == [], "add each file to docs/design.md's map"
+    assert sorted(f for f in entries if f.endswith(".py") and f not in files) == []
+    for path, floor in entries.items():
+        module = path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+        if floor.isdigit() and module in LIBRARY:
+            assert int(floor) == floor_of(module)[0], f"{path}: the map says floor {floor}"

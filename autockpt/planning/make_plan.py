@@ -56,28 +56,8 @@ def make_plan(
     names = chain.node_names
     kept_per_segment = solution.kept or tuple(() for _ in solution.segments)
     recompute = predictor.recompute_seconds(solution.segments, kept_per_segment)
-    nodes = captured.compute_nodes()  # the chain's nodes, in its order (``names``)
-    segments = []
-    for (start, end), spec, kept in zip(solution.segments, specs, kept_per_segment, strict=True):
-        saved = sum(problem.saved_bytes[start:end])
-        segments.append(
-            Segment(
-                start_stage=start,
-                end_stage=end,
-                first_node=names[spec.first],
-                last_node=names[spec.end - 1],
-                recompute_seconds=predictor.recompute_seconds([(start, end)], [kept]),
-                bytes_freed=saved - problem.input_bytes[start],
-                preserve_rng=spec.preserve_rng,
-                restore_buffers=spec.restore_buffers,
-                kept_ops=tuple(KeptOp(*call) for call in spec.kept_ops),
-                first_module=node_module(nodes[spec.first]),
-                last_module=node_module(nodes[spec.end - 1]),
-            )
-        )
-    in_segment = {k for start, end in solution.segments for k in range(start, end)}
-    kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
-    kept += sum(problem.input_bytes[start] for start, _ in solution.segments)
+    segments = _segments(prepared, predictor, solution, specs, kept_per_segment)
+    kept = _kept_activation_bytes(chain, solution)
     step_with = prof.step_seconds + recompute
     plan = Plan(
         model=type(model).__name__,
@@ -126,6 +106,46 @@ def make_plan(
         as_written_peak_bytes=as_written_peak_bytes,
     )
     return dataclasses.replace(plan, notes=(*plan.notes, *as_written_notes(plan)))
+
+
+def _segments(
+    prepared: Prepared,
+    predictor: Predictor,
+    solution: Solution,
+    specs: list[SegmentSpec],
+    kept_per_segment: tuple[tuple[int, ...], ...],
+) -> list[Segment]:
+    """Each segment as the plan records it: where it lies, what it costs and frees, what runs it."""
+    problem, names = prepared.chain.problem, prepared.chain.node_names
+    nodes = prepared.capture.compute_nodes()  # the chain's nodes, in its order (``names``)
+    segments = []
+    for (start, end), spec, kept in zip(solution.segments, specs, kept_per_segment, strict=True):
+        saved = sum(problem.saved_bytes[start:end])
+        segments.append(
+            Segment(
+                start_stage=start,
+                end_stage=end,
+                first_node=names[spec.first],
+                last_node=names[spec.end - 1],
+                recompute_seconds=predictor.recompute_seconds([(start, end)], [kept]),
+                bytes_freed=saved - problem.input_bytes[start],
+                preserve_rng=spec.preserve_rng,
+                restore_buffers=spec.restore_buffers,
+                kept_ops=tuple(KeptOp(*call) for call in spec.kept_ops),
+                first_module=node_module(nodes[spec.first]),
+                last_module=node_module(nodes[spec.end - 1]),
+            )
+        )
+    return segments
+
+
+def _kept_activation_bytes(chain: Chain, solution: Solution) -> int:
+    """Activation bytes the plan keeps (outside segments, and segment inputs): a breakdown row."""
+    problem = chain.problem
+    in_segment = {k for start, end in solution.segments for k in range(start, end)}
+    kept = sum(s for k, s in enumerate(problem.saved_bytes) if k not in in_segment)
+    kept += sum(problem.input_bytes[start] for start, _ in solution.segments)
+    return kept
 
 
 def as_written_notes(plan: Plan) -> tuple[str, ...]:

@@ -223,31 +223,80 @@ def rank_problem(
     on an FSDP rank (FSDP2 keeps sharded gradients between micro-batches, and its optimizer
     steps the shards).
     """
-    n = sharding.world_size
     rest = problem.static_bytes - parameters  # buffers, inputs, output tail, resident
     if sharding.mode == "ddp":
-        buckets = gradients
-        # broadcast_buffers (DDP's default) copies every buffer into one flat tensor at the
-        # start of each forward and broadcasts it from rank 0: a transient of the buffers'
-        # size while the first stage runs.
-        transient = list(problem.transient_bytes)
-        transient[0] += buffers
-        memory = RankMemory(
+        return _ddp_rank_problem(
+            problem,
+            rest,
             parameters=parameters,
             gradients=gradients,
-            buckets=buckets,
-            gathered_parameters=0,
-            reduce_scatter=0,
-            static=parameters + buckets + buffers + inputs + optimizer_state,
+            buffers=buffers,
+            inputs=inputs,
             optimizer_state=optimizer_state,
         )
-        problem = dataclasses.replace(
-            problem,
-            static_bytes=rest + parameters + buckets + RANK_MARGIN_BYTES,
-            transient_bytes=tuple(transient),
-        )
-        return problem, memory
+    return _fsdp_rank_problem(
+        problem,
+        rest,
+        stages,
+        capture,
+        model,
+        sharding,
+        buffers=buffers,
+        inputs=inputs,
+        optimizer_state=optimizer_state,
+        accumulated_gradients=accumulated_gradients,
+    )
 
+
+def _ddp_rank_problem(
+    problem: ChainProblem,
+    rest: int,
+    *,
+    parameters: int,
+    gradients: int,
+    buffers: int,
+    inputs: int,
+    optimizer_state: int,
+) -> tuple[ChainProblem, RankMemory]:
+    """One DDP rank: full parameters, the reducer's buckets, the buffers' broadcast."""
+    buckets = gradients
+    # broadcast_buffers (DDP's default) copies every buffer into one flat tensor at the
+    # start of each forward and broadcasts it from rank 0: a transient of the buffers'
+    # size while the first stage runs.
+    transient = list(problem.transient_bytes)
+    transient[0] += buffers
+    memory = RankMemory(
+        parameters=parameters,
+        gradients=gradients,
+        buckets=buckets,
+        gathered_parameters=0,
+        reduce_scatter=0,
+        static=parameters + buckets + buffers + inputs + optimizer_state,
+        optimizer_state=optimizer_state,
+    )
+    problem = dataclasses.replace(
+        problem,
+        static_bytes=rest + parameters + buckets + RANK_MARGIN_BYTES,
+        transient_bytes=tuple(transient),
+    )
+    return problem, memory
+
+
+def _fsdp_rank_problem(
+    problem: ChainProblem,
+    rest: int,
+    stages: tuple[tuple[int, int], ...],
+    capture: Capture,
+    model: nn.Module,
+    sharding: Sharding,
+    *,
+    buffers: int,
+    inputs: int,
+    optimizer_state: int,
+    accumulated_gradients: int,
+) -> tuple[ChainProblem, RankMemory]:
+    """One FSDP2 rank: sharded units and state, plus two units gathered in full."""
+    n = sharding.world_size
     split = _param_split(model, sharding.units)
     largest = max(split.unit_bytes.values(), default=0)
     local_params = sum(_shard(b, n) for b in split.unit_bytes.values()) + _shard(
@@ -256,6 +305,37 @@ def rank_problem(
     gathered = 2 * largest + split.root_bytes  # current + prefetched unit; the root stays full
     sharded_resident = _shard(optimizer_state, n) + _shard(accumulated_gradients, n)
     rest -= optimizer_state + accumulated_gradients - sharded_resident
+    grads, transient = _fsdp_stage_terms(problem, stages, capture, split, n)
+    memory = RankMemory(
+        parameters=local_params,
+        gradients=sum(_shard(b, n) for b in split.unit_bytes.values())
+        + _shard(split.root_bytes, n),
+        buckets=0,
+        gathered_parameters=gathered,
+        reduce_scatter=max(
+            [2 * b + _shard(b, n) for b in split.unit_bytes.values()]
+            + [split.root_bytes + _shard(split.root_bytes, n)]
+        ),
+        static=local_params + buffers + inputs + _shard(optimizer_state, n),
+        optimizer_state=_shard(optimizer_state, n),
+    )
+    problem = dataclasses.replace(
+        problem,
+        static_bytes=rest + local_params + gathered + RANK_MARGIN_BYTES,
+        param_grad_bytes=tuple(max(0, g) for g in grads),
+        transient_bytes=tuple(transient),
+    )
+    return problem, memory
+
+
+def _fsdp_stage_terms(
+    problem: ChainProblem,
+    stages: tuple[tuple[int, int], ...],
+    capture: Capture,
+    split: _ParamSplit,
+    n: int,
+) -> tuple[list[int], list[int]]:
+    """Each stage's gradient and transient bytes on an FSDP2 rank: unit windows, then shards."""
     nodes = capture.compute_nodes()
     unit_of_node = {
         i: str(node.target)
@@ -287,23 +367,4 @@ def rank_problem(
     # The root's reduce-scatter ends backward: a flat copy of its gradients plus the shard.
     transient[0] += split.root_bytes + _shard(split.root_bytes, n)
     grads[0] += _shard(split.root_bytes, n)
-    memory = RankMemory(
-        parameters=local_params,
-        gradients=sum(_shard(b, n) for b in split.unit_bytes.values())
-        + _shard(split.root_bytes, n),
-        buckets=0,
-        gathered_parameters=gathered,
-        reduce_scatter=max(
-            [2 * b + _shard(b, n) for b in split.unit_bytes.values()]
-            + [split.root_bytes + _shard(split.root_bytes, n)]
-        ),
-        static=local_params + buffers + inputs + _shard(optimizer_state, n),
-        optimizer_state=_shard(optimizer_state, n),
-    )
-    problem = dataclasses.replace(
-        problem,
-        static_bytes=rest + local_params + gathered + RANK_MARGIN_BYTES,
-        param_grad_bytes=tuple(max(0, g) for g in grads),
-        transient_bytes=tuple(transient),
-    )
-    return problem, memory
+    return grads, transient

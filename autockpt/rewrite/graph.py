@@ -13,7 +13,7 @@ import dataclasses
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.fx as fx
 from torch import nn
@@ -24,8 +24,6 @@ from autockpt.capture.captured import Capture
 from autockpt.capture.export import INPUT_CHECK
 from autockpt.errors import PlanMismatchError
 
-if TYPE_CHECKING:
-    pass
 from autockpt.rewrite.result import (
     _STATE,
     _call_shape,
@@ -64,6 +62,22 @@ def rewrite(
         except AttributeError:
             return _resolve(capture.graph_module, target)
 
+    graph, modules = _splice(capture, nodes, starts, lookup)
+    targets: dict[str, Any] = dict(modules)
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and node.target not in targets:
+            targets[node.target] = lookup(node.target)
+    code = _code(targets, graph)
+    return _assemble(model, capture, modules, code, lookup, inputs)
+
+
+def _splice(
+    capture: Capture,
+    nodes: list[fx.Node],
+    starts: dict[int, SegmentSpec],
+    lookup: Callable[[str], Any],
+) -> tuple[fx.Graph, dict[str, CheckpointSegment]]:
+    """The captured graph with each segment replaced by a call of its module: the result's code."""
     graph = fx.Graph()
     graph._codegen = capture.graph._codegen
     env: dict[fx.Node, fx.Node] = {}
@@ -91,17 +105,22 @@ def rewrite(
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)  # now read inside a segment only
     graph.lint()
+    return graph, modules
 
-    targets: dict[str, Any] = dict(modules)
-    for node in graph.nodes:
-        if node.op in ("get_attr", "call_module") and node.target not in targets:
-            targets[node.target] = lookup(node.target)
-    code = _code(targets, graph)
 
+def _assemble(
+    model: nn.Module,
+    capture: Capture,
+    modules: dict[str, CheckpointSegment],
+    code: Callable[..., Any],
+    lookup: Callable[[str], Any],
+    inputs: Inputs | None,
+) -> nn.Module:
+    """The copy of ``model`` that runs ``code``, holding what it reads: what the user gets back."""
     result = shallow_copy(model, _checkpointed_class(type(model)))
     added = list(modules)
     for name, segment in modules.items():
-        object.__setattr__(result, name, segment)  # not a registered child: see the docstring
+        object.__setattr__(result, name, segment)  # not a registered child: module docstring
         segment.bind(result)
     added += _attach_constants(result, capture, lookup)
     # What the generated code reads from ``self`` besides the tree (export's pytree specs).
