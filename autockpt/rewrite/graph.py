@@ -23,7 +23,6 @@ from autockpt.base.tree import ModuleTree
 from autockpt.capture.captured import Capture
 from autockpt.capture.export import INPUT_CHECK
 from autockpt.errors import PlanMismatchError
-
 from autockpt.rewrite.result import (
     _STATE,
     _call_shape,
