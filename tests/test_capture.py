@@ -561,3 +561,66 @@ def test_nodes_carry_module_paths_alike_under_fx_and_export():
         assert found[-2] == "blocks.0"  # its second call's residual add, not "blocks.0@1"
     softmax = [n for n in by_export.compute_nodes() if "softmax" in str(n.target)]
     assert [node_module(n) for n in softmax] == ["blocks.0.attn", "blocks.1.attn", "blocks.0.attn"]
+
+
+@pytest.mark.parametrize("method", ["fx", "export"])
+def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method):
+    """Plans move between devices: the device is not part of a plan's identity (an export
+    graph writes it into its operators' arguments), shapes and dtypes are. Planned on meta,
+    applied to the same model on the CPU, it trains like the model."""
+    if method == "fx":
+        from autockpt_zoo.toy import gpt
+
+        real, (idx, targets) = gpt(dropout=0.0)
+        with torch.device("meta"):
+            meta, _ = gpt(dropout=0.0)
+        example, meta_example = (idx, targets), (idx.to("meta"), targets.to("meta"))
+    else:
+        transformers = pytest.importorskip("transformers")
+        # eager attention: an export graph of scaled_dot_product_attention is the device's
+        # own kernel's (docs/design.md, "Plans move between devices")
+        config = transformers.LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=256,
+            use_cache=False,
+            attn_implementation="eager",
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        torch.manual_seed(0)
+        real = transformers.LlamaForCausalLM(config)
+        with torch.device("meta"):
+            meta = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 256, (2, 32))
+        example = {"input_ids": ids, "labels": ids}
+        on_meta = ids.to("meta")  # one tensor for both, as on the CPU (sharing is traced)
+        meta_example = {"input_ids": on_meta, "labels": on_meta}
+    planned = autockpt.optimize(
+        meta.train(),
+        meta_example,
+        budget_gb=1.0,
+        loss_fn=lambda out: out[-1] if isinstance(out, tuple) else out.loss,
+    )
+    assert planned.plan.capture_method == method and planned.plan.device == "meta"
+    fast = autockpt.apply(real.train(), planned.plan, example)
+    assert fast.plan.graph_fingerprint == planned.plan.graph_fingerprint
+
+    def step(module: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        out = module(*example) if isinstance(example, tuple) else module(**example)
+        loss = out[-1] if isinstance(out, tuple) else getattr(out, "loss", out)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in module.parameters()]
+
+    torch.manual_seed(0)
+    loss, grads = step(fast)
+    torch.manual_seed(0)
+    eager_loss, eager_grads = step(real)
+    torch.testing.assert_close(loss, eager_loss)
+    for got, want in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want)

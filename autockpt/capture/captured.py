@@ -48,9 +48,10 @@ class Capture:
             n for n in self.graph.nodes if n.op in ("call_function", "call_method", "call_module")
         ]
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, *, devices: bool = False) -> str:
         """Structural hash of the graph: ops, targets (with the class of each called
-        module) and wiring, independent of weights."""
+        module) and wiring, independent of weights and of the device it was captured on
+        (``devices=True``: the hash before devices were left out, for plans saved then)."""
         digest = hashlib.sha256()
         for node in self.graph.nodes:
             digest.update(f"{node.op}|{node.name}|{_target_name(node.target)}|".encode())
@@ -59,8 +60,8 @@ class Capture:
                 # changes RNG use, ReLU -> BatchNorm adds mutated buffers.
                 module = self.graph_module.get_submodule(node.target)
                 digest.update(f"{_target_name(type(module))}|".encode())
-            digest.update(repr(_arg_names(node.args)).encode())
-            digest.update(repr(_arg_names(node.kwargs)).encode())
+            digest.update(repr(_arg_names(node.args, devices)).encode())
+            digest.update(repr(_arg_names(node.kwargs, devices)).encode())
         return digest.hexdigest()[:16]
 
 
@@ -94,5 +95,18 @@ def _target_name(target: Any) -> str:
     return f"{module}.{name}"
 
 
-def _arg_names(value: Any) -> Any:
-    return torch.fx.node.map_arg(value, lambda n: f"%{n.name}") if value is not None else None
+def _arg_names(value: Any, devices: bool = False) -> Any:
+    """``value`` as the fingerprint reads it: nodes by name, and every device as one word.
+    Why devices are left out: a plan is made where the run is not (on the meta device, on a
+    CPU before launch) and applied where it runs; an export graph writes the device it was
+    traced on into its operators' arguments (``arange(..., device='meta')``), and shapes and
+    dtypes, not the device, are what a plan's identity needs (docs/design.md, "Plans move
+    between devices")."""
+    if value is None:
+        return None
+    named = torch.fx.node.map_arg(value, lambda n: f"%{n.name}")
+    if devices:
+        return named
+    return torch.utils._pytree.tree_map(
+        lambda leaf: "<device>" if isinstance(leaf, torch.device) else leaf, named
+    )

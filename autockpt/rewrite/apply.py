@@ -253,7 +253,9 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
             f"capture the same way ({error})"
         ) from error
     fingerprint = captured.fingerprint()
-    if fingerprint != plan.graph_fingerprint:
+    # plans saved before devices left the fingerprint still apply on their own device
+    legacy = captured.fingerprint(devices=True)
+    if plan.graph_fingerprint not in (fingerprint, legacy):
         raise PlanMismatchError(
             f"plan was made for a different graph: plan {plan.graph_fingerprint} for model "
             f"{plan.model} ({plan.num_nodes} nodes); this model {type(model).__name__} has "
