@@ -49,6 +49,8 @@ def test_demo_runs_and_fits(tmp_path):
     assert report["fits"] is True
     assert report["optimized"]["peak_bytes"] <= report["plan"]["budget_bytes"]
     assert report["plan"]["segments"], "halfway budget on an activation-heavy stack needs segments"
+    ratio = report["step_ratio"]  # a timing shown to a user says its rounds and its spread
+    assert ratio["rounds"] == 7 and ratio["low"] <= ratio["median"] <= ratio["high"]
 
 
 def test_plan_show_verify_round_trip(gpt_plan):

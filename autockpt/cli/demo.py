@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,9 @@ from autockpt.cli.exits import EXIT_OK, EXIT_VERIFY
 from autockpt.cli.options import OPTIMIZERS, SOLVERS, _build_optimizer, _common, _positive_float
 from autockpt.cli.output import _say
 from autockpt.cli.progress import Progress
+
+TIMING_ROUNDS = 7
+"""Interleaved rounds the demo times (each round's ratio is shown, not one step's)."""
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -138,20 +142,21 @@ def _measure(
     progress: Progress, model: Any, fast: Any, x: Any, optimizer: Any
 ) -> tuple[Any, Any, dict[str, float]]:
     """The measured peak of the model as written and of the plan, and their step times."""
-    from autockpt.demo import interleaved_seconds
-    from autockpt.measure import measure
+    from autockpt.measure import interleaved_rounds, measure, process_seconds
 
     progress.stage("measuring")
     eager = measure(model, x, optimizer=optimizer, repeat=0)
     checked = measure(fast, x, optimizer=optimizer, repeat=0)
-    # one step timed alone is no result: interleaved rounds, CPU time
-    seconds = interleaved_seconds(
-        {
-            "none": functools.partial(_iteration, model, x, optimizer),
-            "plan": functools.partial(_iteration, fast, x, optimizer),
-        }
+    # one step timed alone is no result: interleaved rounds, CPU time, each round's ratio
+    none, plan = interleaved_rounds(
+        [
+            functools.partial(_iteration, model, x, optimizer),
+            functools.partial(_iteration, fast, x, optimizer),
+        ],
+        TIMING_ROUNDS,
+        process_seconds,
     )
-    return eager, checked, seconds
+    return eager, checked, {"none": none, "plan": plan}
 
 
 def _largest_batches(
@@ -199,21 +204,33 @@ def _print_measured(
     plan's measured peak fits the budget, and the numbers for ``--json``."""
     from autockpt.errors import format_bytes
 
+    median = {key: statistics.median(values) for key, values in seconds.items()}
+    # a ratio is shown with its spread: each round's plan step over the same round's
+    ratios = sorted(p / n for p, n in zip(seconds["plan"], seconds["none"], strict=True))
     say("")
     say(f"{'':<16}{'peak':>12}{'step':>12}")
     for label, key, m in (("no checkpoint", "none", eager), ("autockpt plan", "plan", checked)):
-        say(f"{label:<16}{format_bytes(m.peak_bytes):>12}{seconds[key] * 1e3:>10.1f}ms")
+        say(f"{label:<16}{format_bytes(m.peak_bytes):>12}{median[key] * 1e3:>10.1f}ms")
     say(f"{'budget':<16}{format_bytes(plan.budget_bytes):>12}")
     fits = checked.peak_bytes <= plan.budget_bytes
     say(
         f"measured peak {'fits' if fits else 'EXCEEDS'} the budget "
-        f"({100 * checked.peak_bytes / plan.budget_bytes:.1f}% of it); step time "
-        f"{seconds['plan'] / seconds['none']:.2f}x of no checkpointing (median of 5 "
-        "interleaved rounds, CPU time)"
+        f"({100 * checked.peak_bytes / plan.budget_bytes:.1f}% of it)"
+    )
+    say(
+        f"step time with the plan / without: median {statistics.median(ratios):.2f}x, range "
+        f"{ratios[0]:.2f}x-{ratios[-1]:.2f}x over {len(ratios)} interleaved rounds (CPU "
+        f"time); the plan predicts {100 * plan.recompute_fraction:.1f}% of its step recomputed"
     )
     return fits, {
-        "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": seconds["none"]},
-        "optimized": {"peak_bytes": checked.peak_bytes, "step_seconds": seconds["plan"]},
+        "eager": {"peak_bytes": eager.peak_bytes, "step_seconds": median["none"]},
+        "optimized": {"peak_bytes": checked.peak_bytes, "step_seconds": median["plan"]},
+        "step_ratio": {
+            "median": statistics.median(ratios),
+            "low": ratios[0],
+            "high": ratios[-1],
+            "rounds": len(ratios),
+        },
     }
 
 
