@@ -107,7 +107,9 @@ def optimize(
 
     The result shares the original's parameters and buffers, has the same ``state_dict()``
     keys and trains like it; ``result.plan`` is the :class:`Plan`. Raises
-    :class:`InfeasibleBudgetError` when no plan fits (its ``minimum_gb`` does fit).
+    :class:`InfeasibleBudgetError` when no plan fits: its ``minimum_gb`` does fit, or, for a
+    budget refused before profiling, ``floor_gb`` states what every plan keeps at least
+    (``minimum_gb`` is then None).
 
     Distributed training (see ``docs/distributed.md``): with ``world_size=N`` and
     ``sharding="ddp"`` or ``"fsdp"``, ``example_inputs`` are one rank's batch and the budget
@@ -285,7 +287,8 @@ class Planner:
     ``budget_gb``, when the budget to be asked for is known (``optimize`` passes its own):
     a budget below what the step keeps whatever is checkpointed (parameters, their
     gradients, buffers, inputs, the optimizer's state) raises :class:`InfeasibleBudgetError`
-    right after capture, before profiling (``lower_bound`` set). ``cache``: reuse the
+    right after capture, before profiling: it states that sum as ``floor_gb`` (and
+    ``lower_bound``), not a minimum, which needs the profile. ``cache``: reuse the
     profile, recorded step and leanest plan of an earlier planner of the same model, inputs
     and options, and keep this one's for later ones (autockpt/planning/cache.py; planning
     from shapes alone, ``probe=False``, is neither read nor kept). ``progress`` is called

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import ROUND_CEILING, Decimal
+
 GIB = 2**30
 
 
@@ -12,46 +14,84 @@ class AutockptError(Exception):
 class InfeasibleBudgetError(AutockptError):
     """The budget is below what even the leanest checkpoint plan needs.
 
-    ``minimum_gb`` is the least budget (GiB) that a plan reaches; asking for it succeeds.
-    ``breakdown`` maps the static parts (parameters, gradients, inputs, buffers) to bytes so
-    the message can say where the memory goes. ``lower_bound`` is true when the budget was
-    refused before profiling, below what the step keeps whatever is checkpointed (the
-    breakdown's parts): ``minimum_gb`` is then that sum, and the leanest plan needs more
-    (``Planner(model, inputs).minimum_peak_bytes`` states it).
+    ``minimum_bytes`` (and ``minimum_gb``, the same in GiB) is the least budget that a plan
+    reaches, stated only when it is that: asking for it succeeds (``minimum_gb`` is
+    ``minimum_bytes / 2**30`` exactly, which ``budget_gb`` takes back to the same byte
+    count). ``breakdown`` maps the parts (parameters, gradients, inputs, buffers, ...) to
+    bytes so the message can say where the memory goes.
+
+    A budget refused before profiling, below what the step keeps whatever is checkpointed
+    (the breakdown's parts: parameters, gradients, buffers, inputs, the optimizer's state),
+    states that sum under its own name: ``floor_bytes`` / ``floor_gb``, a bound that every
+    plan's peak lies above (activations come on top). ``minimum_bytes`` and ``minimum_gb``
+    are then None: the minimum needs the profile, and
+    ``Planner(model, inputs).minimum_peak_bytes`` or ``autockpt frontier`` states it.
+    ``lower_bound`` (kept for compatibility) is true exactly then.
     """
 
     def __init__(
         self,
         budget_bytes: int,
-        minimum_bytes: int,
+        minimum_bytes: int | None,
         breakdown: dict[str, int],
         scope: str = "total",
         hint: str | None = None,
         lower_bound: bool = False,
+        *,
+        floor_bytes: int | None = None,
     ) -> None:
+        if lower_bound and floor_bytes is None:  # the form before floor_bytes existed
+            floor_bytes, minimum_bytes = minimum_bytes, None
+        if (floor_bytes is None) == (minimum_bytes is None):
+            raise TypeError("InfeasibleBudgetError states a minimum or a floor, exactly one")
         self.budget_bytes = int(budget_bytes)
-        self.minimum_bytes = int(minimum_bytes)
-        self.minimum_gb = minimum_bytes / GIB
+        self.minimum_bytes: int | None = None if minimum_bytes is None else int(minimum_bytes)
+        self.minimum_gb: float | None = None if minimum_bytes is None else minimum_bytes / GIB
+        self.floor_bytes: int | None = None if floor_bytes is None else int(floor_bytes)
+        self.floor_gb: float | None = None if floor_bytes is None else floor_bytes / GIB
         self.breakdown = dict(breakdown)
         self.scope = scope
-        self.lower_bound = lower_bound
+        self.lower_bound = self.floor_bytes is not None
         parts = ", ".join(f"{name} {_fmt(nbytes)}" for name, nbytes in self.breakdown.items())
+        budget = f"budget {_fmt(budget_bytes)} ({self.budget_bytes} bytes, scope={scope})"
+        if self.floor_bytes is not None:
+            advice = hint or (
+                "Shrink what checkpointing cannot touch: a smaller batch or sequence, "
+                "lower-precision parameters, an optimizer with less state, or sharding "
+                "parameters and gradients across devices (FSDP)."
+            )
+            super().__init__(
+                f"{budget} is below what the step keeps whatever is checkpointed: at least "
+                f"{gib_up(self.floor_bytes)} GiB ({self.floor_bytes} bytes). Breakdown: "
+                f"{parts}. Refused before profiling: the minimum feasible budget lies above "
+                "this, by the leanest plan's activations; "
+                "Planner(model, inputs).minimum_peak_bytes or `autockpt frontier` states it. "
+                f"{advice}"
+            )
+            return
+        assert self.minimum_bytes is not None
         advice = hint or (
             "Raise the budget to at least the minimum, or shrink what checkpointing cannot "
             "touch: a smaller batch or sequence, lower-precision parameters, or sharding "
             "parameters and gradients across devices (FSDP)."
         )
-        minimum = f"{self.minimum_gb:.9g} GiB ({self.minimum_bytes} bytes)"
-        needs = (
-            f"of at least {minimum}: what the step keeps whatever is checkpointed (refused "
-            "before profiling; the leanest checkpoint plan needs more, for activations)"
-            if lower_bound
-            else f"{minimum} that the leanest checkpoint plan needs"
-        )
         super().__init__(
-            f"budget {_fmt(budget_bytes)} ({self.budget_bytes} bytes, scope={scope}) is below "
-            f"the minimum feasible {needs}. Breakdown: {parts}. {advice}"
+            f"{budget} is below the minimum feasible {gib_up(self.minimum_bytes)} GiB "
+            f"({self.minimum_bytes} bytes) that the leanest checkpoint plan needs. "
+            f"Breakdown: {parts}. {advice}"
         )
+
+
+def gib_up(nbytes: int, digits: int = 9) -> str:
+    """``nbytes`` in GiB to ``digits`` significant digits, rounded up: a number read off a
+    message and passed back as ``budget_gb`` is never below ``nbytes`` (a stated minimum
+    rounded down would be refused by the bytes it lost)."""
+    value = Decimal(nbytes) / Decimal(GIB)  # exact: a power of two divides
+    if value == 0:
+        return "0"
+    exponent = value.adjusted() - digits + 1
+    rounded = value.quantize(Decimal(1).scaleb(exponent), rounding=ROUND_CEILING)
+    return f"{rounded.normalize():f}"
 
 
 class TraceError(AutockptError):
@@ -135,7 +175,9 @@ class OptimizerError(AutockptError, ValueError):
 class BatchSizeError(AutockptError, ValueError):
     """``fit_batch``'s ``make_inputs`` cannot serve the search: it raised for a size (the
     message names the call), or returns inputs of the same shapes for two sizes (it must
-    build inputs of size ``n``). Also a ``ValueError``."""
+    build inputs of size ``n``); or the model refuses even the smallest size (its own error,
+    named in the message, is the cause: larger sizes it refuses only do not fit). Also a
+    ``ValueError``."""
 
 
 class CompileError(AutockptError, TypeError):

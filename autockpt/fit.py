@@ -26,15 +26,35 @@ How the sizes are searched (:class:`_Sizes`), in two stages:
 
 Only the answer's plan runs a real step, to verify it. The search assumes the peak grows
 with the size (a model that pads to buckets may break that); ``max_batch_size`` bounds it.
+
+Sizes the model refuses (NOTE [fit: refused sizes]). ``make_inputs(n)`` may scale a
+sequence past what the model takes (a position table of 4096 rows, a ``max_len`` check), and
+the first guess, a straight line from the smallest size, may land far beyond it. A size at
+which planning raises the model's own error (a ``ValueError``, ``IndexError``,
+``RuntimeError`` or ``AssertionError`` in the fake step or the probe, or a capture that fails
+at this size where a smaller size captured) does not fit: the search goes on below it
+(halving towards it, on a log scale while the bracket spans more than a factor of 4), and
+the answer lists it (``BatchFit.refused_sizes``, the error's first line) with a note. A size
+refused by the probe alone (an index past an embedding table: fake tensors check no index)
+is one shapes alone took, so the model's limit is then bisected planning in full
+(:meth:`_Sizes._limit`), and every size from it up taken as refused. A device out of memory
+in the probe is a ``RuntimeError`` too: that size does not fit either way. Why
+not raise: the size is the search's guess, not the user's, and the sizes below it are an
+answer; why not a size limit asked of the model: no model states one. Only when even
+``multiple_of`` is refused, :class:`BatchSizeError` names the model's error. Errors of
+autockpt itself (a bad budget, an unsupported optimizer) are not refusals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
 import numbers
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,7 +65,7 @@ from autockpt.base.inputs import Inputs
 from autockpt.base.runtime import LossFn
 from autockpt.costs.problem import DEFAULT_MAX_STAGES
 from autockpt.costs.record import ACCUMULATED_GRADIENTS
-from autockpt.errors import BatchSizeError, InfeasibleBudgetError
+from autockpt.errors import AutockptError, BatchSizeError, InfeasibleBudgetError, TraceError
 from autockpt.plan import Plan
 from autockpt.planning.request import ProgressFn
 from solvers import replay
@@ -55,6 +75,12 @@ __all__ = ["OBJECTIVES", "BatchCandidate", "BatchFit", "fit_batch"]
 OBJECTIVES = ("largest", "throughput")
 _MAX_PLANS = 16
 """Sizes planned at most before the search settles for the largest one known to fit."""
+
+_MODEL_ERRORS = (ValueError, IndexError, RuntimeError, AssertionError)
+"""What a model raises for a size it does not take (NOTE [fit: refused sizes])."""
+
+_REFUSED = sys.maxsize
+"""The leanest peak a refused size is given in the search: above every budget."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,9 @@ class BatchFit:
     objective: str
     candidates: tuple[BatchCandidate, ...]
     notes: tuple[str, ...] = ()
+    refused_sizes: dict[int, str] = field(default_factory=dict)
+    """Sizes the model refused while they were planned (its error's first line), treated as
+    not fitting (NOTE [fit: refused sizes]); not among :attr:`candidates`."""
 
     @property
     def samples_per_second(self) -> float:
@@ -102,6 +131,7 @@ class BatchFit:
             "samples_per_second": self.samples_per_second,
             "candidates": [dataclasses.asdict(c) for c in self.candidates],
             "notes": list(self.notes),
+            "refused_sizes": {str(n): line for n, line in self.refused_sizes.items()},
         }
 
 
@@ -139,10 +169,13 @@ def fit_batch(
     :func:`autockpt.optimize` does (its step measured when ``verify``).
 
     With ``optimizer`` the budget covers the whole training iteration (its state and step);
-    under ``sharding`` the size is one rank's batch and the budget per rank. Raises
-    :class:`InfeasibleBudgetError` when even ``multiple_of`` does not fit, and
-    :class:`BatchSizeError` when ``make_inputs`` fails or its inputs do not change with ``n``.
-    See the module docstring for how sizes are searched and what it assumes.
+    under ``sharding`` the size is one rank's batch and the budget per rank. A size the
+    model raises for (past its position table, say) does not fit: the answer lists it in
+    ``refused_sizes`` (NOTE [fit: refused sizes]). Raises :class:`InfeasibleBudgetError`
+    when even ``multiple_of`` does not fit (its ``minimum_gb`` does), and
+    :class:`BatchSizeError` when ``make_inputs`` fails, its inputs do not change with ``n``,
+    or the model refuses even ``multiple_of``. See the module docstring for how sizes are
+    searched and what it assumes.
 
     Why this is long: the front door's signature and this docstring are most of it; the
     body checks every argument before any work, then hands the search to one object.
@@ -190,7 +223,7 @@ def fit_batch(
     for _ in range(_MAX_PLANS):
         sizes.progress(f"optimizing at size {answer.size}")
         try:
-            result = answer.planner.optimize(
+            result = answer.ready.optimize(
                 budget_gb=budget_gb,
                 solver=solver,
                 time_limit_s=time_limit_s,
@@ -206,26 +239,38 @@ def fit_batch(
                 f"size {answer.size} measured above its leanest plan's prediction; "
                 f"{answer.size - multiple_of} returned"
             )
-            answer = sizes.plan(answer.size - multiple_of, full=True)
+            answer = sizes.full_below(answer.size)
     return BatchFit(
         batch_size=answer.size,
         model=result,
         plan=result.plan,
         objective=objective,
         candidates=tuple(sorted(sizes.candidates.values(), key=lambda c: c.size)),
-        notes=tuple(sizes.notes),
+        notes=(*sizes.notes, *sizes.refused_note()),
+        refused_sizes=dict(sorted(sizes.refused.items())),
     )
 
 
 @dataclass
 class _Planned:
     size: int
-    planner: Planner
-    inputs: Inputs
+    planner: Planner | None
+    """None where the model refused the size (:attr:`refused`)."""
+    inputs: Inputs | None
+    refused: str | None = None
+    """The model's error at this size, its first line (NOTE [fit: refused sizes])."""
 
     @property
     def minimum(self) -> int:
+        if self.planner is None:
+            return _REFUSED
         return self.planner.minimum_peak_bytes
+
+    @property
+    def ready(self) -> Planner:
+        """The planner of a size the model took."""
+        assert self.planner is not None, f"size {self.size} was refused"
+        return self.planner
 
 
 class _Sizes:
@@ -254,6 +299,11 @@ class _Sizes:
         self.full: dict[int, _Planned] = {}  # planned in full
         self.notes: list[str] = []
         self.inputs: dict[int, Inputs] = {}
+        self.refused: dict[int, str] = {}
+        """Sizes the model refused, with its error's first line."""
+        self.limit: int | None = None
+        """The smallest size the probe refused where shapes alone took it (:meth:`_limit`):
+        every size from it up is taken as refused, unplanned."""
 
     def example(self, size: int) -> Any:
         """``make_inputs(size)``, checked: it must not raise and must change with the size."""
@@ -277,11 +327,21 @@ class _Sizes:
     def plan(self, size: int, *, full: bool) -> _Planned:
         """A planner at ``size``: in full (the probe runs: workspaces, measured times), or
         from shapes alone (a lower bound of every plan's peak, the cost model's times)."""
+        if self.limit is not None and size >= self.limit and size not in self.refused:
+            return _Planned(size, None, None, f"above {self.limit}, which the model refused")
         cache = self.full if full else self.shapes
         if size in cache:
             return cache[size]
         self.progress(f"planning at size {size}" + ("" if full else " (shapes alone)"))
-        planner = Planner(self.model, self.example(size), probe=full, **self.options)
+        example = self.example(size)
+        try:
+            with _quiet_fake_tensor_errors():
+                planner = Planner(self.model, example, probe=full, **self.options)
+        except Exception as error:
+            said = self._refusal(size, error)
+            if said is None:
+                raise
+            return self._refused(size, said, error)
         planned = _Planned(size, planner, self.inputs[size])
         fits = planned.minimum <= self.budget
         if not full:
@@ -309,6 +369,76 @@ class _Sizes:
         self.candidates[size] = row
         return planned
 
+    def _refusal(self, size: int, error: Exception) -> str | None:
+        """What the model said refusing ``size`` (its error's type and first line), or None
+        where ``error`` is not a refusal (NOTE [fit: refused sizes]): autockpt's own errors
+        are not, except a capture that fails where a smaller size captured."""
+        if isinstance(error, _MODEL_ERRORS) and not isinstance(error, AutockptError):
+            lines = str(error).strip().splitlines()
+            return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, TraceError):
+            cause = cause.__cause__
+        took = any(n < size and p.planner is not None for n, p in self.shapes.items())
+        if isinstance(cause, TraceError) and took:
+            said = f"cannot capture at {cause.location}: `{cause.source_line}` ({cause.reason})"
+            return said[:300]
+        return None
+
+    def _refused(self, size: int, said: str, error: Exception) -> _Planned:
+        """``size`` marked refused: it does not fit, in shapes alone and in full alike; the
+        smallest size refused is a :class:`BatchSizeError`."""
+        if size <= self.multiple_of:
+            raise BatchSizeError(
+                f"the model refuses even the smallest size, {size}: {said}. make_inputs(n) "
+                "must build inputs the model takes for every size from multiple_of up"
+            ) from error
+        refused = _Planned(size, None, self.inputs[size], refused=said)
+        self.refused[size] = said
+        self.shapes[size] = self.full[size] = refused
+        self.candidates.pop(size, None)
+        return refused
+
+    def refused_note(self) -> list[str]:
+        """The answer's note on the sizes the model refused (none: no note)."""
+        if not self.refused:
+            return []
+        sizes = sorted(self.refused)
+        return [
+            f"the model refused {len(sizes)} size(s) ({', '.join(map(str, sizes))}; the smallest: "
+            f"{self.refused[sizes[0]]}): treated as not fitting (refused_sizes lists each); "
+            "max_batch_size keeps the search below them"
+        ]
+
+    def full_below(self, size: int) -> _Planned:
+        """The largest size below ``size`` planned in full that the model takes."""
+        below = self.plan(size - self.multiple_of, full=True)
+        while below.refused is not None:  # the smallest refused raises BatchSizeError
+            below = self.plan(below.size - self.multiple_of, full=True)
+        return below
+
+    def _limit(self, refused: int) -> None:
+        """NOTE [fit: refused sizes]: ``refused`` was refused by the probe (an index past a
+        table, which fake tensors do not check) where shapes alone took it, so shapes alone
+        cannot find the model's limit: it is bisected planning in full, between the largest
+        size taken in full (or ``multiple_of``) and ``refused``, all sizes whose shapes fit
+        the budget. From the smallest refused up, every size is then taken as refused."""
+        m = self.multiple_of
+        took = [n for n, p in self.full.items() if p.refused is None and n < refused]
+        low = max(took) if took else self.plan(m, full=True).size  # m refused: BatchSizeError
+        high = refused
+        while high - low > m:
+            middle = _between(low, high, m)
+            if self.plan(middle, full=True).refused is None:
+                low = middle
+            else:
+                high = middle
+        self.limit = high
+        for n, planned in list(self.shapes.items()):
+            if n >= high and planned.refused is None:
+                self.shapes[n] = _Planned(n, None, None, f"above {high}, which the model refused")
+                self.candidates.pop(n, None)
+
     def largest(self) -> _Planned:
         """The largest size that fits (module docstring); raises InfeasibleBudgetError when
         even ``multiple_of`` does not.
@@ -324,6 +454,9 @@ class _Sizes:
             if size == 0:
                 break
             answer = self.plan(size, full=True)
+            if answer.refused is not None:  # by the probe, where shapes alone took it
+                self._limit(size)
+                continue
             if answer.minimum <= self.budget:
                 return self._above(answer)
             extra = answer.minimum - self.shapes[size].minimum  # what the probe added
@@ -334,7 +467,7 @@ class _Sizes:
         raise InfeasibleBudgetError(
             self.budget,
             low.minimum,
-            low.planner.breakdown,
+            low.ready.breakdown,
             "total",
             f"Even a batch of {m} does not fit: its leanest plan needs the minimum stated. "
             "Raise the budget, shrink what checkpointing cannot touch (parameters, the "
@@ -400,18 +533,20 @@ class _Sizes:
         one size alone, the line through the part that does not grow with the size."""
         m = self.multiple_of
         below = sorted(n for n, p in self.shapes.items() if n < low.size and p.minimum <= budget)
-        if high is not None:
+        if high is not None and high.refused is None:
             slope = (high.minimum - low.minimum) / (high.size - low.size)
         elif below:
             other = self.shapes[below[-1]]
             slope = (low.minimum - other.minimum) / (low.size - other.size)
         else:
-            slope = _growth_per_size(low.planner, low.size)
+            slope = _growth_per_size(low.ready, low.size)
         estimate = low.size + (budget - low.minimum) / max(slope, 1e-9)
         guess = m * math.floor(estimate / m)
         if guess <= low.size:
             guess = low.size + m  # the neighbour above the best so far
         if high is not None:
+            if high.refused is not None and guess >= high.size:
+                guess = _between(low.size, high.size, m)  # the model's limit, not the budget's
             guess = min(guess, high.size - m)
         if self.cap is not None:
             guess = min(guess, m * (self.cap // m))
@@ -436,6 +571,32 @@ class _Sizes:
         ]
         best = max(fitting, key=lambda c: (c.samples_per_second, c.size))
         return self.full[best.size]
+
+
+def _between(low: int, high: int, m: int) -> int:
+    """A multiple of ``m`` between ``low`` and ``high`` (exclusive, ``high - low > m``): their
+    geometric mean while ``high`` is more than 4 times ``low`` (a refused guess may lie
+    orders of magnitude above the model's limit), else their midpoint."""
+    middle = math.sqrt(low * high) if high > 4 * low else (low + high) / 2
+    return max(low + m, min(high - m, m * math.floor(middle / m)))
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Iterator[None]:
+    """Without torch's log of an operator that failed on fake tensors: a size the model
+    refuses fails so in the fake step, and torch logs the whole traceback at ERROR before
+    raising it. The error itself still propagates (a refusal's first line is in the answer);
+    only that log line, for the sizes this search plans, is dropped."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _growth_per_size(planner: Planner, size: int) -> float:

@@ -401,6 +401,12 @@ def _rockmate(case: Case, inputs: Inputs, budget_bytes: int) -> nn.Module:
     return Rockmate(model, inputs.args, budget=budget_bytes)
 
 
+def _least_bytes(error: InfeasibleBudgetError) -> int:
+    """The refusal's achievable minimum, or its floor where it was refused before profiling
+    (``minimum_bytes`` None)."""
+    return error.minimum_bytes if error.minimum_bytes is not None else error.floor_bytes
+
+
 def _error_text(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip()
     text = " ".join(text.split())
@@ -572,10 +578,11 @@ def run_case(
                         module = _rockmate(case, inputs, budget)
                         step = _rockmate_step(module, inputs)
             except InfeasibleBudgetError as error:
+                least = _least_bytes(error)
                 cell.error = (
                     f"InfeasibleBudgetError: budget {error.budget_bytes / 2**20:.2f} MiB is "
-                    f"below the leanest plan's predicted {error.minimum_bytes / 2**20:.2f} MiB"
-                    if error.minimum_bytes > error.budget_bytes
+                    f"below the leanest plan's predicted {least / 2**20:.2f} MiB"
+                    if least > error.budget_bytes
                     else f"InfeasibleBudgetError: {method} found no plan within "
                     f"{error.budget_bytes / 2**20:.2f} MiB"
                     + (" (dp/ilp do)" if method == "greedy" else "")
@@ -674,7 +681,7 @@ def _compiled_plans(
         except InfeasibleBudgetError as error:
             cell.error = (
                 f"InfeasibleBudgetError: {point}'s peak {error.budget_bytes / 2**20:.2f} MiB "
-                f"is below every compiled candidate ({error.minimum_bytes / 2**20:.2f} MiB)"
+                f"is below every compiled candidate (at least {_least_bytes(error) / 2**20:.2f} MiB)"
             )
         except Exception as error:  # noqa: BLE001
             cell.error = _error_text(error)

@@ -17,7 +17,7 @@ import torch
 
 import autockpt
 from autockpt.api import Planner
-from autockpt.errors import GIB
+from autockpt.errors import GIB, gib_up
 from autockpt.plan import Plan
 from autockpt.planning.cache import MAX_ENTRIES, cache_size
 from autockpt.rewrite import segments_of
@@ -121,7 +121,9 @@ def test_budget_below_minimum_states_an_achievable_minimum():
         planner.optimize(budget_gb=too_small)
     error = info.value
     assert error.minimum_gb > too_small
-    assert "parameters" in str(error) and f"{error.minimum_gb:.9g} GiB" in str(error)
+    shown = f"{gib_up(error.minimum_bytes)} GiB ({error.minimum_bytes} bytes)"
+    assert "parameters" in str(error) and shown in str(error)
+    assert not error.lower_bound and error.floor_bytes is None and error.floor_gb is None
     fast = planner.optimize(budget_gb=error.minimum_gb)
     assert autockpt.measure(fast, inputs, repeat=1).peak_bytes <= fast.plan.budget_bytes
 
@@ -417,7 +419,12 @@ def test_a_budget_below_the_static_part_is_refused_before_profiling(monkeypatch)
     assert error.lower_bound and error.budget_bytes == 2**20
     assert error.breakdown["parameters"] == error.breakdown["gradients"] == params
     assert error.breakdown["optimizer state"] >= 2 * params  # AdamW's two moments
-    assert error.minimum_bytes == sum(error.breakdown.values()) > params
+    # a floor, named so and said as "at least"; no minimum (it needs the profile)
+    assert error.floor_bytes == sum(error.breakdown.values()) > params
+    assert error.floor_gb == error.floor_bytes / GIB
+    assert error.minimum_bytes is None and error.minimum_gb is None
+    assert f"at least {gib_up(error.floor_bytes)} GiB" in str(error)
+    assert "minimum_peak_bytes" in str(error) and "autockpt frontier" in str(error)
     assert not optimizer.state  # the user's optimizer was never stepped
 
 

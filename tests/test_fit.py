@@ -1,6 +1,7 @@
 """The batch that fits (autockpt/fit.py): the largest size whose leanest plan fits, the size
 above it planned and found not to fit, the answer measured within the budget; the fastest
-size by predicted samples per second; bad inputs refused with typed errors."""
+size by predicted samples per second; sizes the model refuses treated as not fitting; bad
+inputs refused with typed errors."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import autockpt
 from autockpt.errors import GIB, BatchSizeError, InfeasibleBudgetError
@@ -78,6 +80,62 @@ def test_a_budget_below_the_smallest_size_states_its_minimum():
         autockpt.fit_batch(model, make_inputs, budget_gb=2**16 / GIB)
     planner = quiet_planner(model, make_inputs(1))
     assert error.value.minimum_bytes == planner.minimum_peak_bytes
+    # the minimum stated is a budget that succeeds: the smallest size, verified
+    fit = autockpt.fit_batch(model, make_inputs, budget_gb=error.value.minimum_gb)
+    assert fit.batch_size == 1 and fit.plan.budget_bytes == error.value.minimum_bytes
+    assert fit.plan.measured_peak_bytes <= fit.plan.budget_bytes
+
+
+class _Positions(nn.Module):
+    """A tiny model with a table of ``rows`` positions: the size is the sequence length.
+    ``"slice"`` adds ``pos[:T]`` (past the table the fake step fails to broadcast);
+    ``"embedding"`` looks positions up (fake tensors do not check indices: the probe fails)."""
+
+    def __init__(self, how: str, rows: int = 256, dim: int = 16) -> None:
+        super().__init__()
+        self.how = how
+        self.pos = nn.Parameter(torch.randn(rows, dim) * 0.02)
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        if self.how == "slice":
+            return self.lin(x + self.pos[:length])
+        return self.lin(x + nn.functional.embedding(torch.arange(length), self.pos))
+
+
+def _sequences(n: int) -> torch.Tensor:
+    torch.manual_seed(n)
+    return torch.randn(2, n, 16)
+
+
+def _square(y: torch.Tensor) -> torch.Tensor:
+    return y.pow(2).mean()
+
+
+@pytest.mark.parametrize(("how", "error"), [("slice", "RuntimeError"), ("embedding", "IndexError")])
+def test_sizes_the_model_refuses_do_not_fit_and_are_listed(how, error):
+    """The first guess lands far past the 256-row table (the budget alone allows millions):
+    the model's own error does not escape; the answer is the table's length, and the sizes
+    refused are listed with the error's first line."""
+    torch.manual_seed(0)
+    fit = autockpt.fit_batch(
+        _Positions(how).train(), _sequences, budget_gb=0.25, multiple_of=16, loss_fn=_square
+    )
+    assert fit.batch_size == 256
+    assert fit.refused_sizes and min(fit.refused_sizes) == 256 + 16  # the size above: refused
+    assert all(line.startswith(error) for line in fit.refused_sizes.values())
+    assert all(c.size <= 256 for c in fit.candidates)
+    assert any("the model refused" in note for note in fit.notes)
+    assert fit.plan.measured_peak_bytes <= fit.plan.budget_bytes
+    assert json.loads(json.dumps(fit.to_dict()))["refused_sizes"][str(256 + 16)].startswith(error)
+
+
+def test_a_model_that_refuses_even_the_smallest_size_is_a_batch_size_error():
+    with pytest.raises(BatchSizeError, match="refuses even the smallest size, 16: RuntimeError"):
+        autockpt.fit_batch(
+            _Positions("slice", rows=8), _sequences, budget_gb=0.25, multiple_of=16, loss_fn=_square
+        )
 
 
 def test_make_inputs_that_fail_or_ignore_the_size_are_refused():

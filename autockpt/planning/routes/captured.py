@@ -46,7 +46,7 @@ from autockpt.planning.request import Request
 from autockpt.planning.routes.base import Finish, Replan, Solve, measure_step
 from autockpt.planning.search import SEARCH_METHODS, BudgetSearch
 from autockpt.planning.specs import segment_specs
-from autockpt.planning.verify import Attempt, Fitted, fit_by_measuring
+from autockpt.planning.verify import VERIFY_ROUNDS, Attempt, Fitted, fit_by_measuring
 from autockpt.rewrite.apply import rewrite_for_training, same
 from autockpt.rewrite.apply import segment_specs_from_plan as specs_from_plan
 from solvers import METHODS, InfeasibleError, Simulation, Solution
@@ -60,25 +60,16 @@ HandBack = Any
 def refuse_below_floor(
     model: nn.Module, inputs: Inputs, captured: Capture, request: Request, budget_bytes: int
 ) -> None:
-    """:class:`InfeasibleBudgetError` (``lower_bound``), before profiling, for a budget below
-    what the step keeps whatever is checkpointed (:func:`resident_floor`). Scope "total" on
-    one process only: "activations" leaves that part out, and a rank keeps a share of it."""
+    """:class:`InfeasibleBudgetError` stating a floor (``floor_bytes``, ``lower_bound``; no
+    minimum), before profiling, for a budget below what the step keeps whatever is
+    checkpointed (:func:`resident_floor`). Scope "total" on one process only: "activations"
+    leaves that part out, and a rank keeps a share of it."""
     if request.scope != "total" or request.sharding.active:
         return
     parts = resident_floor(model, inputs, captured, request.optimizer)
     floor = sum(parts.values())
     if floor > budget_bytes:
-        raise InfeasibleBudgetError(
-            budget_bytes,
-            floor,
-            parts,
-            request.scope,
-            "Raise the budget well above this sum (Planner(model, inputs).minimum_peak_bytes "
-            "states the least that fits), or shrink what checkpointing cannot touch: smaller "
-            "or lower-precision parameters, a smaller batch, an optimizer with less state, or "
-            "sharding parameters and gradients across devices (FSDP).",
-            lower_bound=True,
-        )
+        raise InfeasibleBudgetError(budget_bytes, None, parts, request.scope, floor_bytes=floor)
 
 
 class CapturedRoute:
@@ -136,6 +127,11 @@ class CapturedRoute:
         keeps tensors the graph frees): :meth:`as_written_or_none`."""
         leanest = self.search.leanest()
         self.minimum_peak_bytes = leanest.peak_bytes
+        """The stated minimum (NOTE [routes: measured minimum]): the leanest plan's predicted
+        peak, raised to its measured step's once a verifying step measured it higher."""
+        self.leanest_measured_bytes: int | None = None
+        """The leanest plan's measured peak in the budget's scope, once a verifying step
+        has run it (NOTE [routes: measured minimum])."""
         if reused is None:
             keep(model, key, Reused(self.profile, self.trace, leanest))
         scope = request.scope
@@ -227,7 +223,7 @@ class CapturedRoute:
             raise ValueError(
                 f"unknown solver {solver!r}; choose one of {', '.join((*SEARCH_METHODS, *METHODS[1:]))}"
             )
-        if self.minimum_peak_bytes > budget_bytes:
+        if self.search.leanest().peak_bytes > budget_bytes:  # the prediction's minimum
             raise InfeasibleBudgetError(
                 budget_bytes, self.minimum_peak_bytes, self.breakdown, scope
             )
@@ -241,6 +237,8 @@ class CapturedRoute:
             hint = (
                 f"The '{solver}' solver optimises the stage-chain proxy and found no plan that "
                 "fits, but one exists: use solver='auto'."
+                if solver not in SEARCH_METHODS
+                else None
             )
             raise InfeasibleBudgetError(
                 budget_bytes, self.minimum_peak_bytes, self.breakdown, scope, hint
@@ -258,16 +256,35 @@ class CapturedRoute:
 
     def fit(self, budget_bytes: int, how: Solve) -> nn.Module:
         """The verified plan's module for ``budget_bytes``, its plan with the measurement
-        (:meth:`optimize` without finishing; the compiled route measures more beside it)."""
+        (:meth:`optimize` without finishing; the compiled route measures more beside it).
+
+        NOTE [routes: measured minimum]: where the search under ``budget_bytes`` less what
+        measurements exceeded their predictions finds nothing, and in one round after the
+        usual ones, the leanest plan itself is measured; its step's peak is what a refusal
+        states, and the stated minimum from then on (:attr:`minimum_peak_bytes`). Asking for
+        it succeeds: the leanest plan fits it, and the loop always comes to the leanest plan
+        before it gives up. Plans that fitted before fit the same way (the rounds before
+        are unchanged)."""
+        verifying = how.verify and not self.meta
+        measured = self.leanest_measured_bytes
+        if verifying and measured is not None and measured > budget_bytes:
+            raise self.measured_infeasible(budget_bytes, 0)  # measured before: not again
+        leanest = self.search.leanest()
 
         def attempt(underestimate: int, last_round: bool) -> Attempt[tuple[Solution, Plan]]:
             self.phases.start("search", "solving")
-            try:
-                solution = self.solve(budget_bytes - underestimate, how)
-            except InfeasibleBudgetError as error:
-                if not underestimate:
-                    raise
-                raise self.measured_infeasible(budget_bytes, underestimate) from error
+            solution = None
+            if not last_round:
+                try:
+                    solution = self.solve(budget_bytes - underestimate, how)
+                except InfeasibleBudgetError:
+                    if not underestimate:
+                        raise
+            if solution is None:  # the leanest plan, unless its step is known not to fit
+                known = self.leanest_measured_bytes
+                if known is not None and known > budget_bytes:
+                    raise self.measured_infeasible(budget_bytes, underestimate)
+                solution = leanest
             plan = self.plan_of(solution, budget_bytes)
             # One road from a plan to a module, for optimize and apply alike.
             result = self.rewrite_specs(specs_from_plan(self.capture, plan))
@@ -280,15 +297,18 @@ class CapturedRoute:
             self.phases.start("verify", "measuring the plan")
             checked = self.measure(found.result, timed=self._times_step)
             solution = found.found[0]
-            return self.budgeted_bytes(checked) + self.predictor.rank_shift(
-                solution.segments
-            ), checked
+            used = self.budgeted_bytes(checked) + self.predictor.rank_shift(solution.segments)
+            if _same_plan(solution, leanest):
+                self._learn_leanest(used)
+            return used, checked
 
         fitted: Fitted[tuple[Solution, Plan]] = fit_by_measuring(
             budget_bytes,
             attempt,
-            measure_attempt if how.verify and not self.meta else None,
+            measure_attempt if verifying else None,
             lambda underestimate, used: self.measured_infeasible(budget_bytes, underestimate),
+            # one more round, the leanest plan's (NOTE [routes: measured minimum])
+            rounds=VERIFY_ROUNDS + 1,
         )
         result = fitted.attempt.result
         solution, plan = fitted.attempt.found
@@ -299,6 +319,15 @@ class CapturedRoute:
             plan, self.prepared, self.predictor, solution, fitted.measurement
         )
         return result
+
+    def _learn_leanest(self, measured: int) -> None:
+        """The leanest plan's step measured ``measured`` bytes (in the budget's scope): above
+        the stated minimum, it is the stated minimum from now on (NOTE [routes: measured
+        minimum]); at or below, the prediction stays the minimum (plans stay as they were)."""
+        self.leanest_measured_bytes = measured
+        if measured > self.minimum_peak_bytes:
+            self.minimum_peak_bytes = measured
+            self.breakdown = {**self.breakdown, "leanest plan's peak": measured}
 
     def rewrite(
         self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()
@@ -354,19 +383,36 @@ class CapturedRoute:
         )
 
     def measured_infeasible(self, budget_bytes: int, underestimate: int) -> InfeasibleBudgetError:
+        """The refusal of ``budget_bytes`` after measured steps exceeded it. It states the
+        leanest plan's measured peak where that step ran (NOTE [routes: measured minimum]):
+        a budget the loop then meets. Otherwise (a compiled candidate measured on its own)
+        the prediction's minimum raised by what the measurements exceeded."""
+        measured = self.leanest_measured_bytes
+        compiled = (
+            " (Measured under the model's torch.compile, which keeps other tensors than "
+            "the eager step the prediction models.)"
+            if self.compiled
+            else ""
+        )
+        if measured is not None and measured > budget_bytes:
+            over = measured - self.search.leanest().peak_bytes
+            return InfeasibleBudgetError(
+                budget_bytes,
+                max(measured, self.minimum_peak_bytes),
+                self.breakdown,
+                self.request.scope,
+                f"The leanest plan's step measured {measured} bytes"
+                + (f", {over} above its prediction" if over > 0 else "")
+                + ", so the minimum stated is that measured peak; asking for it succeeds."
+                + compiled,
+            )
         return InfeasibleBudgetError(
             budget_bytes,
             max(self.minimum_peak_bytes + underestimate, budget_bytes + 1),
             self.breakdown,
             self.request.scope,
             f"Measured peaks ran up to {underestimate} bytes above the model's prediction, so "
-            "the leanest plan needs the minimum stated."
-            + (
-                " (Measured under the model's torch.compile, which keeps other tensors than "
-                "the eager step the prediction models.)"
-                if self.compiled
-                else ""
-            ),
+            "the leanest plan needs the minimum stated." + compiled,
         )
 
     @property
@@ -397,3 +443,10 @@ class CapturedRoute:
         leanest = self.search.leanest()
         self.adopt(dataclasses.replace(self.prepared, profile=profile), leanest=leanest)
         remember_profile(self.model, self.cache_key, profile)
+
+
+def _same_plan(solution: Solution, other: Solution) -> bool:
+    """Whether two solutions checkpoint the same stage ranges keeping the same nodes."""
+    return [tuple(seg) for seg in solution.segments] == [
+        tuple(seg) for seg in other.segments
+    ] and tuple(map(tuple, solution.kept)) == tuple(map(tuple, other.kept))

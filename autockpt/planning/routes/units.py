@@ -233,10 +233,19 @@ class UnitsRoute:
 
         def measure(found: Attempt[tuple[int, ...]]) -> tuple[int, Measurement]:
             checked = self.measure_step(found.result)  # the root's whole step, memory only
-            return self._scoped(checked.peak_bytes), checked
+            used = self._scoped(checked.peak_bytes)
+            if found.found == self.leanest_choice and used > self.minimum_peak_bytes:
+                # measured above the minimum stated when planning began (a step that drew
+                # otherwise): the measured peak is the minimum from now on, so that it is
+                # achievable (NOTE [routes: measured minimum])
+                self.minimum_peak_bytes = used
+            return used, checked
 
         def out_of_reach(underestimate: int, used: int) -> InfeasibleBudgetError:
-            return self._infeasible(budget_bytes, max(used, budget_bytes + 1))
+            # the last round measured the leanest choice (``used``): what the step needs
+            return self._infeasible(
+                budget_bytes, max(used, self.minimum_peak_bytes, budget_bytes + 1)
+            )
 
         fitted = fit_by_measuring(budget_bytes, attempt, measure if verify else None, out_of_reach)
         result = fitted.attempt.result
