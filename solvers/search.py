@@ -14,8 +14,10 @@ Formulation
 A :class:`ReplayChain` is a chain of ``L`` stages (contiguous node ranges) over one
 recorded step. A plan is a set of disjoint checkpointed stage ranges; a stage outside them
 is kept. Its peak is the replay's peak of the plan's node ranges (a range that holds a
-random op stashes the RNG state) plus ``offset_bytes``; its cost is the recompute time
-``fsum(stage_seconds of checkpointed stages) + segment_overhead_seconds * segments``.
+random op stashes the RNG state) plus ``offset_bytes``, plus, for one rank of a sharded
+run, the plan's :class:`RankShift` (NOTE [search: per-rank peaks]); its cost is the
+recompute time ``fsum(stage_seconds of checkpointed stages) + segment_overhead_seconds *
+segments``.
 Plans are totally ordered, so every answer is unique:
 
 * :func:`least_recompute`: least ``(cost, peak, number of segments, segments)`` among the
@@ -70,6 +72,7 @@ __all__ = [
     "DEFAULT_MAX_EVALUATIONS",
     "DEFAULT_MAX_NODES",
     "EXHAUSTIVE_STAGES",
+    "RankShift",
     "ReplayChain",
     "count_plans",
     "leanest",
@@ -99,6 +102,71 @@ _WINDOW = 6  # stages re-planned together by the window move (count_plans(6) = 2
 
 
 @dataclass(frozen=True)
+class RankShift:
+    """What one rank's peak differs from one process's, plan by plan: the stage model's
+    (:mod:`solvers.chain`) peak of the plan for one rank (``rank``) minus its peak for one
+    unsharded process (``single``).
+
+    NOTE [search: per-rank peaks]. A sharded engine changes what a rank keeps besides the
+    activations (parameters, gradients and optimizer state sharded ``N`` ways, gathered
+    units, gradient buckets): only the static, gradient and transient terms of the stage
+    model, never its saved or input bytes (one rank runs one batch). The replay records one
+    unsharded step, so a rank's peak is the replay's plus this shift: what the user's
+    prediction states (``autockpt/planning/predict.py``). The search takes the shift as
+    data and judges every plan by the sum, so the plan it finds for a per-rank budget, and
+    the leanest plan, are those of the per-rank peak: the shift is plan-dependent (the
+    event that peaks moves), and a search of the single-process replay at a translated
+    budget (an iteration to a fixed point) is neither exact nor sure to stop at the best
+    plan. Why the shift is bounded the way :attr:`least_bytes` says: every event of a plan
+    is the same event in both problems, and differs between them by an amount that depends
+    only on which event it is, so the shift is at least the least of those amounts over all
+    events any plan has; the branch and bound adds it to the replay's lower bound of a
+    prefix, which stays a lower bound of every completion."""
+
+    rank: ChainProblem
+    single: ChainProblem
+
+    def __post_init__(self) -> None:
+        if self.rank.num_stages != self.single.num_stages:
+            raise ValueError("rank and single problems need the same stages")
+        if (
+            self.rank.saved_bytes != self.single.saved_bytes
+            or self.rank.input_bytes != self.single.input_bytes
+        ):
+            raise ValueError("a rank keeps the activations of one process: saved and input bytes")
+
+    def __call__(self, segments: Sequence[tuple[int, int]]) -> int:
+        """Per-rank minus single-process stage-model peak of a plan (stage ranges)."""
+        return (
+            proxy_simulate(self.rank, segments).peak_bytes
+            - proxy_simulate(self.single, segments).peak_bytes
+        )
+
+    @functools.cached_property
+    def least_bytes(self) -> int:
+        """A lower bound of the shift over every plan: the least per-event difference of
+        the two problems over every event a plan can have (:mod:`solvers.chain`'s events:
+        a forward of stage ``m`` differs by the static and transient terms, its backward
+        also by ``G(m)``, a recompute of it by ``G(j)`` of the segment's end ``j > m``)."""
+        rank, single = self.rank, self.single
+        n = rank.num_stages
+        gradients = [0] * (n + 1)  # the difference of G(k) = sum_{m >= k} g_m
+        for k in range(n - 1, -1, -1):
+            gradients[k] = gradients[k + 1] + rank.param_grad_bytes[k] - single.param_grad_bytes[k]
+        least_after = [0] * (n + 1)  # min(0, min_{k >= m} gradients[k]); gradients[n] = 0
+        for k in range(n - 1, -1, -1):
+            least_after[k] = min(least_after[k + 1], gradients[k])
+        transient = [
+            r - s for r, s in zip(rank.transient_bytes, single.transient_bytes, strict=True)
+        ]
+        return (
+            rank.static_bytes
+            - single.static_bytes
+            + min(transient[m] + least_after[m] for m in range(n))
+        )
+
+
+@dataclass(frozen=True)
 class ReplayChain:
     """A chain of stages over one recorded step: everything the search needs.
 
@@ -107,7 +175,9 @@ class ReplayChain:
     it hold a random op (a segment containing one stashes the RNG state).
     ``segment_overhead_seconds`` is charged once per segment. ``offset_bytes`` is added to
     every replayed peak (calibration, scope). ``problem``: the stage-level proxy of the
-    same chain, used only to seed the search (:mod:`solvers.dp`)."""
+    same chain, used only to seed the search (:mod:`solvers.dp`). ``rank_shift``: for one
+    rank of a sharded run, what its peak differs from the replay's, plan by plan (NOTE
+    [search: per-rank peaks]); None: one process."""
 
     trace: MemoryTrace
     stages: tuple[tuple[int, int], ...]
@@ -123,6 +193,7 @@ class ReplayChain:
     """Per compute node, the recompute seconds keeping it inside a segment saves, net of
     what keeping costs (:mod:`solvers.selective`); empty: plans keep nothing inside
     segments."""
+    rank_shift: RankShift | None = None
 
     def __post_init__(self) -> None:
         stages = tuple((int(first), int(stop)) for first, stop in self.stages)
@@ -144,6 +215,8 @@ class ReplayChain:
             raise ValueError("seconds must be finite and >= 0")
         if self.problem is not None and self.problem.num_stages != len(stages):
             raise ValueError("problem has a different number of stages")
+        if self.rank_shift is not None and self.rank_shift.rank.num_stages != len(stages):
+            raise ValueError("rank_shift has a different number of stages")
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "stage_seconds", seconds)
         object.__setattr__(self, "random", tuple(bool(r) for r in self.random))
@@ -163,6 +236,18 @@ class ReplayChain:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def offset(self, plan: Sequence[tuple[int, int]]) -> int:
+        """What is added to the replayed peak of ``plan`` (normalised stage ranges):
+        ``offset_bytes``, and the plan's rank shift when there is one."""
+        shift = self.rank_shift
+        return self.offset_bytes + (0 if shift is None else shift(plan))
+
+    @property
+    def least_offset(self) -> int:
+        """A lower bound of :meth:`offset` over every plan."""
+        shift = self.rank_shift
+        return self.offset_bytes + (0 if shift is None else shift.least_bytes)
 
     def node_ranges(self, segments: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         """Node ranges of stage ranges."""
@@ -190,12 +275,11 @@ def count_plans(num_stages: int) -> int:
 
 def replay_peak(chain: ReplayChain, segments: Sequence[tuple[int, int]]) -> int:
     """The replayed peak of checkpointing the given stage ranges (sorted, disjoint), plus
-    ``chain.offset_bytes``."""
+    ``chain.offset(plan)`` (``offset_bytes``, and a rank's shift)."""
     plan = normalize_segments(segments, chain.num_stages)
-    return (
-        replayer(chain.trace).peak_bytes(chain.node_ranges(plan), chain.preserve_rng(plan))
-        + chain.offset_bytes
-    )
+    return replayer(chain.trace).peak_bytes(
+        chain.node_ranges(plan), chain.preserve_rng(plan)
+    ) + chain.offset(plan)
 
 
 def recompute_seconds(chain: ReplayChain, segments: Sequence[tuple[int, int]]) -> float:
@@ -254,7 +338,7 @@ class _Search:
                 self.evaluations += 1
             chain = self.chain
             found = self.replay.peak_bytes(chain.node_ranges(plan), chain.preserve_rng(plan))
-            found += chain.offset_bytes
+            found += chain.offset(plan)
             self.peaks[plan] = found
         return found
 
@@ -277,7 +361,7 @@ class _Search:
         low = self.replay.lower_bound_bytes(
             chain.node_ranges(plan), decided, chain.preserve_rng(plan)
         )
-        return low + chain.offset_bytes
+        return low + chain.least_offset
 
 
 Key = tuple[float, float, int, Plan]
@@ -538,7 +622,7 @@ def _branch_and_bound(
     search: _Search,
     incumbent: Key | None,
     key_of: Callable[[Plan, int], Key],
-    prune: Callable[[float, int, Key | None], bool],
+    prune: Callable[[float, float, Key | None], bool],
 ) -> tuple[Key | None, bool]:
     """Depth-first over units, left to right; returns the best key found (at least the
     incumbent) and whether the search was complete. ``prune(cost, bound, incumbent)``
@@ -566,7 +650,7 @@ def _branch_and_bound(
             options.append(((*plan, (start, end)), end, grown))
         for child, stop, child_parts in options:
             cost = math.fsum(child_parts)
-            if prune(cost, -1, best):
+            if prune(cost, -math.inf, best):  # the cost alone (no peak is below -inf)
                 if child is not plan:
                     break  # longer segments only cost more
                 continue
@@ -636,7 +720,7 @@ def least_recompute(
         plan = _improve_cost(search, incumbent[3], budget)
         incumbent = min(incumbent, key_of(plan, search.peaks[plan]))
 
-    def prune(cost: float, bound: int, best: Key | None) -> bool:
+    def prune(cost: float, bound: float, best: Key | None) -> bool:
         if bound > budget:
             return True
         if best is None:
@@ -671,7 +755,7 @@ def leanest(
     plan = _descend(search, incumbent[3], lambda p: key_of(p, search.peak(p)))
     incumbent = min(incumbent, key_of(plan, search.peaks[plan]))
 
-    def prune(cost: float, bound: int, best: Key | None) -> bool:
+    def prune(cost: float, bound: float, best: Key | None) -> bool:
         if best is None:
             return False
         return bound > best[0] or (bound == best[0] and cost > best[1])

@@ -56,7 +56,7 @@ Kept = tuple[tuple[int, ...], ...]
 @dataclass(frozen=True)
 class SelectivePlan:
     """Stage ranges, and per range the nodes kept inside it; its replayed peak (with the
-    chain's offset) and its cost."""
+    chain's offset, a rank's shift included) and its cost."""
 
     segments: Plan
     kept: Kept
@@ -94,12 +94,10 @@ def plan_cost(chain, segments: Plan, kept: Kept) -> float:
 
 
 def _peak(chain, segments: Plan, kept: Kept) -> int:
-    return (
-        replayer(chain.trace).peak_bytes(
-            chain.node_ranges(segments), chain.preserve_rng(segments), kept
-        )
-        + chain.offset_bytes
-    )
+    # kept nodes change the activations only: the offset (a rank's shift) is the plan's
+    return replayer(chain.trace).peak_bytes(
+        chain.node_ranges(segments), chain.preserve_rng(segments), kept
+    ) + chain.offset(segments)
 
 
 def _candidates(chain, segments: Plan) -> list[tuple[int, int]]:

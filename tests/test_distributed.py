@@ -86,6 +86,19 @@ def test_every_rank_measures_under_its_budget(run, name):
         assert measured["resident_bytes"] < measured["peak_bytes"] <= plan.budget_bytes
 
 
+@pytest.mark.slow  # about 35 s: a plan and a spawn of its own
+def test_every_rank_measures_under_the_stated_per_rank_minimum():
+    """The minimum a sharded planner states is a plan's, for one rank (NOTE [search:
+    per-rank peaks]): planned at exactly that budget, both FSDP2 ranks measure within it."""
+    case, plan = plan_case("gpt", "fsdp", WORLD_SIZE, fraction=0.0)
+    assert plan.budget_bytes == plan.minimum_peak_bytes
+    assert plan.segments and plan.predicted_peak_bytes <= plan.budget_bytes
+    for got in run_ranks([case], WORLD_SIZE)[case.name]:
+        measured = got["measured"]
+        assert measured["world_size"] == WORLD_SIZE
+        assert measured["peak_bytes"] <= plan.budget_bytes
+
+
 def test_fsdp_ranks_keep_a_shard_of_the_parameters(run):
     for model_name in ("gpt", "vit"):
         _, fsdp, fsdp_ranks, _ = run[f"{model_name}-fsdp"]

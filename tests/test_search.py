@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,8 @@ from hypothesis import strategies as st
 
 import solvers
 from solvers import InfeasibleError
+from solvers.chain import ChainProblem
+from solvers.chain import simulate as proxy_simulate
 from solvers.replay import (
     BACKWARD,
     FORWARD,
@@ -38,6 +41,7 @@ from solvers.replay import (
 )
 from solvers.search import (
     EXHAUSTIVE_STAGES,
+    RankShift,
     ReplayChain,
     count_plans,
     leanest,
@@ -787,6 +791,157 @@ def test_search_is_exact_on_synthetic_steps(trace: MemoryTrace, data: st.DataObj
         best[3],
     )
     assert got.status == "optimal"
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank of a sharded run: the replay plus the plan's rank shift (NOTE [search: per-rank peaks])
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def rank_shifts(draw: st.DrawFn, num_stages: int, scale: int = 30) -> RankShift:
+    """A single-process stage problem and a rank's: the same activations, other static,
+    gradient and transient terms (larger or smaller, as FSDP's windows and shards are)."""
+    n = num_stages
+
+    def terms(top: int) -> list[int]:
+        return [draw(st.integers(0, top)) for _ in range(n)]
+
+    single = ChainProblem(
+        saved_bytes=terms(scale),
+        input_bytes=terms(scale),
+        forward_seconds=[1.0] * n,
+        budget_bytes=0,
+        static_bytes=draw(st.integers(0, 3 * scale)),
+        param_grad_bytes=terms(scale),
+        transient_bytes=terms(scale),
+    )
+    rank = dataclasses.replace(
+        single,
+        static_bytes=draw(st.integers(0, 3 * scale)),
+        param_grad_bytes=terms(scale),
+        transient_bytes=terms(2 * scale),
+    )
+    return RankShift(rank, single)
+
+
+def shift_of(shift: RankShift, plan) -> int:
+    """The rank shift as the predictor first wrote it (two stage-model simulations)."""
+    return (
+        proxy_simulate(shift.rank, plan).peak_bytes - proxy_simulate(shift.single, plan).peak_bytes
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_the_least_rank_shift_bounds_every_plans_shift(data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 6))
+    shift = data.draw(rank_shifts(n))
+    shifts = [shift(plan) for plan in all_plans(n)]
+    assert shifts == [shift_of(shift, plan) for plan in all_plans(n)]
+    assert shift.least_bytes <= min(shifts)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=st.one_of(chain_like_traces(), synthetic_traces(3, 7)), data=st.data())
+def test_search_is_exact_per_rank_on_synthetic_steps(
+    trace: MemoryTrace, data: st.DataObject
+) -> None:
+    """With a rank's shift the search's peaks are the replay's plus the shift, and its
+    answers are brute force's under that sum (the branch and bound's bound stays one)."""
+    chain = synthetic_chain(trace, data)
+    chain = dataclasses.replace(chain, rank_shift=data.draw(rank_shifts(chain.num_stages, 60)))
+    rows = [
+        (
+            reference_simulate(trace, chain.node_ranges(p), chain.preserve_rng(p)).peak_bytes
+            + chain.offset_bytes
+            + shift_of(chain.rank_shift, p),
+            recompute_seconds(chain, p),
+            tuple(p),
+        )
+        for p in all_plans(chain.num_stages)
+    ]
+    assert [replay_peak(chain, p) for _, _, p in rows] == [peak for peak, _, _ in rows]
+    minimum = lowest(rows)
+    lean = leanest(chain)
+    assert (lean.peak_bytes, tuple(lean.segments)) == (minimum[0], minimum[3])
+    assert lean.status == "optimal"
+    budget = data.draw(st.integers(minimum[0] - 2, max(peak for peak, _, _ in rows) + 2))
+    best = cheapest(rows, budget)
+    evaluations = data.draw(st.sampled_from([0, 50]))
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            least_recompute(chain, budget, max_evaluations=evaluations)
+        return
+    got = least_recompute(chain, budget, max_evaluations=evaluations)
+    assert (got.recompute_seconds, got.peak_bytes, tuple(got.segments)) == (
+        best[0],
+        best[1],
+        best[3],
+    )
+    assert got.status == "optimal"
+
+
+def fsdp_like(chain: ReplayChain, world_size: int = 8) -> ReplayChain:
+    """``chain`` for one rank of a run sharding its parameters ``world_size`` ways, the way
+    autockpt/planning/sharding.py changes the stage model: the static part mostly sharded,
+    each stage's gradients a shard, a gathered unit's window on every other stage."""
+    single = chain.problem
+    unit = max(1, single.static_bytes // (2 * single.num_stages))
+    rank = dataclasses.replace(
+        single,
+        static_bytes=single.static_bytes // world_size + 2 * unit,
+        param_grad_bytes=tuple(-(-g // world_size) for g in single.param_grad_bytes),
+        transient_bytes=tuple(
+            t + (2 * unit + unit // world_size) * (k % 2)
+            for k, t in enumerate(single.transient_bytes)
+        ),
+    )
+    return dataclasses.replace(chain, rank_shift=RankShift(rank, single))
+
+
+def test_search_is_exact_per_rank_on_a_recorded_step() -> None:
+    """The per-rank leanest plan and least-recompute plans are brute force's under the
+    replay plus the shift; a budget at the rank's no-checkpoint peak checkpoints nothing,
+    and one below the single process's leanest peak is planned."""
+    chain = fsdp_like(recorded("gpt", 8))
+    single = dataclasses.replace(chain, rank_shift=None)
+    rows = exhaustive(chain)
+    minimum = lowest(rows)
+    lean = leanest(chain, time_limit_s=None)  # proved, however busy the machine
+    assert (lean.peak_bytes, tuple(lean.segments)) == (minimum[0], minimum[3])
+    assert lean.status == "optimal"
+    eager = replay_peak(chain, [])
+    assert eager < leanest(single, time_limit_s=None).peak_bytes  # sharding saves more
+    assert least_recompute(chain, eager).segments == []
+    for budget in budgets_between(minimum[0], eager):
+        best = cheapest(rows, budget)
+        got = least_recompute(chain, budget, time_limit_s=None)
+        assert (got.recompute_seconds, got.peak_bytes, tuple(got.segments)) == (
+            best[0],
+            best[1],
+            best[3],
+        )
+        assert got.status == "optimal"
+
+
+def test_a_rank_shift_must_keep_the_activations_and_the_stages() -> None:
+    chain = recorded("gpt", 10)
+    single = chain.problem
+    with pytest.raises(ValueError, match="saved and input"):
+        RankShift(dataclasses.replace(single, saved_bytes=(0,) * single.num_stages), single)
+    shorter = ChainProblem((1,), (0,), (1.0,), 0)
+    with pytest.raises(ValueError, match="same stages"):
+        RankShift(shorter, single)
+    with pytest.raises(ValueError, match="rank_shift"):
+        dataclasses.replace(
+            chain,
+            stages=((0, chain.trace.num_nodes),),
+            stage_seconds=(0.0,),
+            random=(False,),
+            problem=None,
+            rank_shift=RankShift(single, single),
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,13 +18,18 @@ from autockpt.capture.captured import node_module
 from autockpt.capture.watch import leaf_note
 from autockpt.costs.problem import Chain
 from autockpt.costs.profile import Profile
-from autockpt.costs.record import optimizer_record, optimizer_step_bytes
+from autockpt.costs.record import (
+    ACCUMULATED_GRADIENTS,
+    OPTIMIZER_STATE,
+    optimizer_record,
+    optimizer_step_bytes,
+)
 from autockpt.errors import format_bytes
 from autockpt.measure import Measurement
 from autockpt.plan import KeptOp, MemoryBreakdown, Plan, RankMemory, Segment
 from autockpt.planning.predict import Predictor
 from autockpt.planning.prepared import Prepared
-from autockpt.planning.sharding import RANK_MARGIN_BYTES, Sharding
+from autockpt.planning.sharding import RANK_MARGIN_BYTES, Sharding, rank_share
 from autockpt.rewrite.segment import SegmentSpec
 from solvers import Solution
 from solvers.replay import MemoryTrace
@@ -352,7 +357,11 @@ def breakdown(
 
 
 def rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding) -> dict[str, int]:
-    """The error breakdown for one rank: its local parameters and engine buffers."""
+    """The error breakdown for one rank: its local parameters and engine buffers, and what it
+    keeps of the iteration's resident state: the optimizer's state as the plan's
+    ``rank_memory`` counts it, accumulated gradients as the rank's stage model does (a
+    shard each under FSDP, whole under DDP). Its "leanest plan's peak" is already a rank's
+    (NOTE [search: per-rank peaks])."""
     label = f"per rank of {sharding.world_size} ({sharding.mode})"
     rank = {
         f"parameters {label}": memory.parameters,
@@ -363,5 +372,14 @@ def rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding
     if memory.gathered_parameters:
         rank["FSDP all-gathered parameters"] = memory.gathered_parameters
         rank["FSDP reduce-scatter window"] = memory.reduce_scatter
-    rest = {k: v for k, v in parts.items() if k not in ("parameters", "gradients")}
+    rest: dict[str, int] = {}
+    for name, nbytes in parts.items():
+        if name in ("parameters", "gradients"):
+            continue
+        if name == OPTIMIZER_STATE:
+            rest[f"{name} per rank"] = memory.optimizer_state
+        elif name == ACCUMULATED_GRADIENTS:
+            rest[f"{name} per rank"] = rank_share(nbytes, sharding)
+        else:
+            rest[name] = nbytes
     return rank | rest

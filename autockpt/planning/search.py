@@ -9,9 +9,23 @@ are still available, judged by the replay (:func:`chain_solver`).
 
 Every method judges plans by the predictor's exact prediction
 (:meth:`autockpt.planning.predict.Predictor.predict`: stage ranges -> bytes in the budget's
-scope, per rank when sharded) and returns only plans whose prediction fits: when sharding
-moves a rank's peak by a plan-dependent amount that the replay alone does not see, the
-search is repeated with the budget tightened by the difference (``_fitting``).
+scope, per rank when sharded) and returns only plans whose prediction fits.
+
+NOTE [search: per-rank peaks] (solvers/search.py, ``RankShift``). Sharded, a rank's peak is
+the replay's plus a plan-dependent shift (what the engine shards or adds: static, gradient
+and transient terms), often far below one process's (FSDP keeps 1/N of the parameters,
+gradients and optimizer state). The torch-free search gets that shift as data (the
+predictor's ``replay_chain.rank_shift``) and judges every plan by the sum, which is
+:meth:`Predictor.predict` itself: the leanest plan (the stated minimum), the plan for a
+budget, the empty plan when ``predict([])`` fits, and every refusal are the per-rank
+model's. Before, the search walked the single-process replay against the per-rank budget
+and only tightened it where a rank's prediction came out over: budgets above a rank's
+no-checkpoint peak still got segments, and budgets between the per-rank and the
+single-process minimum were refused. Why the shift as data rather than a budget translated
+by it and searched again to a fixed point: the shift depends on the plan, so a translated
+budget is right only for the plan it came from; iterating it need not settle, and where it
+settles it finds the best plan of the single-process replay at some budget, not the best per
+rank. One process (``rank_shift`` None) searches exactly as before.
 """
 
 from __future__ import annotations
@@ -39,17 +53,15 @@ __all__ = ["METHODS", "SEARCH_METHODS", "BudgetSearch"]
 SEARCH_METHODS = ("auto", "replay")
 """Solver names that mean the search under the replay (``auto`` is the default)."""
 
-_TIGHTEN_ROUNDS = 4
-
 
 class BudgetSearch:
     """Plans for any budget over one chain and one recorded step.
 
-    ``predictor`` is the one memory model (its replay chain is what the torch-free search
-    walks; its ``predict`` adds a sharded rank's shift); ``seeds`` are plans the search must
-    never do worse than (the per-block hand plan); ``leanest``, when given, is this search's
-    own :meth:`leanest` from an earlier call on the same prepared data (the planning cache,
-    autockpt/planning/cache.py).
+    ``predictor`` is the one memory model (its replay chain, a sharded rank's shift
+    included, is what the torch-free search walks; its ``predict`` is that chain's peak);
+    ``seeds`` are plans the search must never do worse than (the per-block hand plan);
+    ``leanest``, when given, is this search's own :meth:`leanest` from an earlier call on
+    the same prepared data (the planning cache, autockpt/planning/cache.py).
     """
 
     def __init__(
@@ -106,7 +118,7 @@ class BudgetSearch:
         if not any(found.kept) or found.cost_seconds >= segment_only.recompute_seconds:
             return segment_only
         peak = self.predict(found.segments, found.kept)
-        if peak > budget_bytes:  # a sharded rank's shift (the replay alone does not see it)
+        if peak > budget_bytes:  # never: the search's peak is the prediction (kept as a guard)
             return segment_only
         return Solution(
             segments=[tuple(seg) for seg in found.segments],
@@ -172,16 +184,14 @@ class BudgetSearch:
     # -------------------------------------------------------------------------------------
 
     def _fitting(self, budget_bytes: int, search: Callable[[int], Solution]) -> Solution:
-        """``search`` at ``budget_bytes``, tightened while its plan's exact prediction is
-        over (only a sharded rank's plan-dependent shift can make it so). Raises
-        :class:`solvers.InfeasibleError` when no plan fits."""
-        tightened = budget_bytes
-        for _ in range(_TIGHTEN_ROUNDS):
-            found = search(tightened)  # raises InfeasibleError
-            peak = self.predict(found.segments)
-            if peak <= budget_bytes:
-                return _with_peak(found, peak)
-            tightened -= peak - budget_bytes
+        """``search`` at ``budget_bytes``, its plan's peak the exact prediction. Every search
+        here judges plans by that prediction (a rank's shift included: NOTE [search:
+        per-rank peaks]), so its plan fits; should it not, the leanest plan answers where
+        it fits. Raises :class:`solvers.InfeasibleError` when no plan fits."""
+        found = search(budget_bytes)  # raises InfeasibleError
+        peak = self.predict(found.segments)
+        if peak <= budget_bytes:
+            return _with_peak(found, peak)
         lean = self.leanest()
         if lean.peak_bytes <= budget_bytes:
             return lean

@@ -40,6 +40,10 @@ Design (and why):
     input of the same size and the sharded output. Parameters outside every unit belong to
     the root, which FSDP2 does not reshard after forward: they are full-size for the whole
     step, and their gradients are full-size until the reduce-scatter that ends backward.
+* **The search judges a rank's peak** (NOTE [search: per-rank peaks], solvers/search.py):
+  the rank problem built here and the single-process one travel with the replay as a
+  :class:`solvers.search.RankShift`, so the search, the leanest plan (the stated minimum),
+  the breakdown and every refusal are one rank's, by the same prediction the plan states.
 * **Verification runs one unsharded process.** ``optimize`` measures the rewritten model in
   the planning process (no process group needed) and transfers what the graph profile
   missed (measured minus predicted) to the per-rank prediction, on the assumption that
@@ -196,6 +200,12 @@ def _shard(nbytes: int, world_size: int) -> int:
     return -(-nbytes // world_size)
 
 
+def rank_share(nbytes: int, sharding: Sharding) -> int:
+    """What one rank keeps of ``nbytes`` of iteration state (the optimizer's state,
+    accumulated gradients): a shard under FSDP, the whole under DDP or on one process."""
+    return _shard(nbytes, sharding.world_size) if sharding.mode == "fsdp" else nbytes
+
+
 def rank_problem(
     problem: ChainProblem,
     stages: tuple[tuple[int, int], ...],
@@ -303,7 +313,9 @@ def _fsdp_rank_problem(
         split.root_bytes, n
     )
     gathered = 2 * largest + split.root_bytes  # current + prefetched unit; the root stays full
-    sharded_resident = _shard(optimizer_state, n) + _shard(accumulated_gradients, n)
+    sharded_resident = rank_share(optimizer_state, sharding) + rank_share(
+        accumulated_gradients, sharding
+    )
     rest -= optimizer_state + accumulated_gradients - sharded_resident
     grads, transient = _fsdp_stage_terms(problem, stages, capture, split, n)
     memory = RankMemory(
