@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for readers and type check
         CompileError,
         CompileWarning,
         DefaultLossWarning,
+        FakeTensorLeakError,
         InfeasibleBudgetError,
         LargerInputWarning,
         OptimizerError,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for readers and type check
         PrecisionWarning,
         TraceError,
         UncoveredCallWarning,
+        UnusualStateError,
     )
     from autockpt.fit import BatchCandidate, BatchFit, fit_batch
     from autockpt.measure import Measurement, measure
@@ -56,6 +58,7 @@ _HOME = {
             "CompileError",
             "CompileWarning",
             "DefaultLossWarning",
+            "FakeTensorLeakError",
             "InfeasibleBudgetError",
             "LargerInputWarning",
             "OptimizerError",
@@ -64,6 +67,7 @@ _HOME = {
             "PrecisionWarning",
             "TraceError",
             "UncoveredCallWarning",
+            "UnusualStateError",
         ),
         "autockpt.errors",
     ),
@@ -115,6 +119,7 @@ __all__ = [
     "BudgetTypeError",
     "CompileError",
     "CompileWarning",
+    "FakeTensorLeakError",
     "InfeasibleBudgetError",
     "LargerInputWarning",
     "Measurement",
@@ -129,6 +134,7 @@ __all__ = [
     "TraceError",
     "DefaultLossWarning",
     "UncoveredCallWarning",
+    "UnusualStateError",
     "__version__",
     "apply",
     "clear_cache",

@@ -215,3 +215,18 @@ class CompileWarning(UserWarning):
     steps only (``torch.compile(autockpt.optimize(model, ...))``): the compiled step keeps
     other tensors than the eager one, so its peak may lie above the budget.
     ``autockpt.optimize(torch.compile(model), ...)`` plans and verifies the compiled step."""
+
+
+class UnusualStateError(AutockptError, TypeError):
+    """The captured forward reads a parameter or buffer whose values are not one dense
+    strided tensor (sparse, nested, quantized, a wrapper subclass such as DTensor): planning
+    sizes a step on fake tensors and times it node by node on the device, and can do
+    neither with it (NOTE [runtime: unusual state], autockpt/base/runtime.py). Such tensors that the forward does not
+    read are planned around and left as found. Also a ``TypeError``."""
+
+
+class FakeTensorLeakError(AutockptError):
+    """A real training step computed with a fake tensor, one that planning made on fake
+    tensors and that the loss (or the model's own code) kept between calls, e.g. targets
+    cached per batch size on their first call (NOTE [runtime: the loss on fake tensors], autockpt/base/runtime.py).
+    Such a step has no values: its loss is no number and its gradients are fake."""

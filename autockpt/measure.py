@@ -46,7 +46,15 @@ from autockpt.base.optimizer import (  # noqa: E402
 )
 from autockpt.base.optimizer import step as optimizer_step  # noqa: E402
 from autockpt.base.precision import fresh_autocast_cache  # noqa: E402
-from autockpt.base.runtime import LossFn, as_found, clear_grads, default_loss, device_of, now  # noqa: E402
+from autockpt.base.runtime import (  # noqa: E402
+    LossFn,
+    as_found,
+    check_real_step,
+    clear_grads,
+    default_loss,
+    device_of,
+    now,
+)
 
 T = TypeVar("T")
 
@@ -214,8 +222,11 @@ def _step(model: nn.Module, inputs: Inputs, loss_fn: LossFn, clock: torch.device
     # freed after it (autockpt/base/precision.py), not left cached from the step before.
     with fresh_autocast_cache():
         start = now(clock) if clock is not None else 0.0
-        loss = loss_fn(model(*inputs.args, **inputs.kwargs))
+        output = model(*inputs.args, **inputs.kwargs)
+        loss = loss_fn(output)
         forward = now(clock) - start if clock is not None else 0.0
+        check_real_step(output, loss)  # a fake tensor kept from planning fails here, typed
+        del output
         loss.backward()
     return forward
 

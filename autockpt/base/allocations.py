@@ -41,6 +41,7 @@ __all__ = [
     "marks",
     "peak_above_start",
     "static_bytes",
+    "storage_bytes",
     "storage_key",
 ]
 
@@ -246,11 +247,49 @@ def quiet_native_stderr() -> Iterator[None]:
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     """The one identity of a tensor's storage: its device and address, or for fake and meta
     tensors (which have no address) the storage object itself, which PyTorch keeps unique
-    while it lives (callers keep the tensors they compare alive)."""
-    storage = tensor.untyped_storage()
+    while it lives (callers keep the tensors they compare alive). A tensor without one
+    storage (sparse, nested, a wrapper subclass such as DTensor) is its own identity, the
+    object (NOTE [runtime: unusual state])."""
+    storage = _storage_or_none(tensor)
+    if storage is None:
+        return ("object", id(tensor))
     if is_fake(tensor):
         return ("fake", id(storage))
     return (str(tensor.device), storage.data_ptr())
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the memory ``tensor`` holds: its storage's, or for a tensor without one
+    (NOTE [runtime: unusual state]) the storages of the tensors it is made of (a sparse
+    tensor's indices and values, a wrapper subclass's inner tensors), each once."""
+    storage = _storage_or_none(tensor)
+    if storage is not None:
+        return storage.nbytes()
+    return StorageSet().add(_parts(tensor))
+
+
+def _storage_or_none(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """``tensor``'s storage; None for a non-strided layout (sparse and nested tensors raise
+    for theirs) and a wrapper subclass (whose memory is its inner tensors')."""
+    if tensor.layout != torch.strided or hasattr(tensor, "__tensor_flatten__"):
+        return None
+    return tensor.untyped_storage()
+
+
+def _parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors ``tensor`` is made of, when it has no storage of its own."""
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None:  # DTensor, float8 and other traceable wrapper subclasses
+        names, _ = flatten()
+        return [getattr(tensor, name) for name in names]
+    return []
 
 
 class StorageSet:
@@ -272,7 +311,7 @@ class StorageSet:
             key = storage_key(t)
             if key not in self.keys:
                 self.keys.add(key)
-                total += t.untyped_storage().nbytes()
+                total += storage_bytes(t)
         return total
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autockpt.base.allocations import StorageSet
+from autockpt.base.runtime import outside_the_forward
 from autockpt.errors import OptimizerError
 
 
@@ -85,9 +86,12 @@ def stand_in(
 
 def step(optimizer: torch.optim.Optimizer) -> None:
     """One step of (a stand-in of) an optimizer, as the training loop takes it; an optimizer
-    whose step needs a closure (L-BFGS) is refused with :class:`OptimizerError`."""
+    whose step needs a closure (L-BFGS) is refused with :class:`OptimizerError`. Inside a
+    fake step its writes to the parameters are not the forward's (NOTE [runtime: parameters
+    the forward writes])."""
     try:
-        type(optimizer).step(optimizer)
+        with outside_the_forward():
+            type(optimizer).step(optimizer)
     except TypeError as error:
         if "closure" in str(error):
             raise OptimizerError(

@@ -7,6 +7,8 @@ the caller's inputs or the global random generators (:func:`as_found`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import dataclasses
 import functools
@@ -14,18 +16,27 @@ import gc
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    unset_fake_temporarily,
+)
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autockpt.base.inputs import Inputs
 from autockpt.base.rng import RngStates
-from autockpt.errors import DefaultLossWarning
+from autockpt.errors import (
+    DefaultLossWarning,
+    FakeTensorLeakError,
+)
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -80,16 +91,59 @@ DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 ``nonzero``)."""
 
 
+# NOTE [runtime: the loss on fake tensors]. Planning calls ``loss_fn`` on a fake step's
+# output. A loss that caches a tensor it builds on its first call (targets per batch size,
+# what a ``fit_batch`` user writes since that loss sees only the output) would cache a
+# FakeTensor made under the fake step's mode, and every later real step would compute a
+# fake loss and fake gradients in silence. Two guards. (1) The loss runs with that mode set
+# aside (``unset_fake_temporarily``): operators on the fake output still run in the output's
+# own mode and stay fake, while tensors made from nothing (``torch.randint``, ``arange``)
+# are real, of the sizes the fake ones would have had, so the recorded step is the same and
+# such a cache holds real targets. (2) What can still leak (a tensor made *from* the
+# output and kept) reaches a real step: every step ``autockpt.measure`` runs, verification
+# included, checks that its output and loss are not fake (:func:`check_real_step`) and
+# raises :class:`FakeTensorLeakError` saying how to fix the loss.
+
+
 def loss_on_fake(loss_fn: LossFn, output: Any) -> tuple[torch.Tensor, bool]:
     """``loss_fn(output)`` on the fake step's output, and False; for a loss that reads a
     value (``.item()``: fake tensors have none), the sum of the output's floating tensors
     instead, and True. Such a loss is measured: the probe runs it on real tensors and the
     recorder moves the loss's windows to what the allocator saw (NOTE [record: loss
-    windows]); plans say so."""
+    windows]); plans say so.
+
+    The loss runs with the fake step's tensor mode set aside: what it computes from the
+    fake output is fake (a fake tensor's operators run in its own mode), and what it makes
+    from nothing is real (NOTE [runtime: the loss on fake tensors])."""
     try:
-        return loss_fn(output), False
+        with unset_fake_temporarily():
+            return loss_fn(output), False
     except DATA_DEPENDENT:
         return _summed(output), True
+
+
+def check_real_step(output: Any, loss: Any) -> None:
+    """Raise :class:`FakeTensorLeakError` when a real step's output or loss is a fake tensor:
+    the model or the loss computed with a fake tensor kept from planning (NOTE [runtime:
+    the loss on fake tensors]). Called by every real step autockpt measures, before its
+    backward; a real tensor's check costs an ``isinstance``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if any(isinstance(t, FakeTensor) for t in tensors_in(output)):
+        raise FakeTensorLeakError(
+            "the model returned a fake tensor from real inputs: its forward used a tensor it "
+            "kept from an earlier call made on fake tensors (while planning). Build such "
+            "tensors from the inputs on each call, or register them as buffers"
+        )
+    if isinstance(loss, FakeTensor):
+        raise FakeTensorLeakError(
+            "the loss of a real step is a fake tensor: loss_fn kept a tensor it made while "
+            "autockpt planned on fake tensors (e.g. targets cached per batch size on the "
+            "first call) and computed with it again, so the loss has no value and the "
+            "gradients are fake. Build such tensors on each call from the output "
+            "(torch.arange(out.shape[0], device=out.device)), or pass the targets in the "
+            "inputs or in a functools.partial / closure made outside the loss; then plan again"
+        )
 
 
 def _say_summed_once() -> None:
@@ -151,7 +205,13 @@ def as_found(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
       resized). Copying saved values into whatever object sits in the slot now would
       write a placeholder into the new table.
     * Parameter ``.grad`` (the same objects, never accumulated into: the block starts from
-      no gradient). Parameter values are not copied: trial steps never step an optimizer.
+      no gradient). Parameter values are not copied (trial steps never step an optimizer),
+      except those of parameters a fake step saw the forward write in place (EDM2's forced
+      weight normalisation): those get their values back from host copies (NOTE [runtime:
+      parameters the forward writes]).
+    * Buffers and parameters whose values are not one dense tensor (sparse, quantized,
+      meta, a wrapper subclass) are put back by identity only (NOTE [runtime: unusual
+      state]).
     * Input tensors (``inputs``: anything holding tensors, e.g.
       :class:`~autockpt.base.inputs.Inputs`) that the block wrote -- a forward that updates its
       input in place -- get their values back, from a host copy taken on entry (no device
@@ -166,9 +226,11 @@ def as_found(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
     # caller's own .grad tensors in place, and restoring the references would not undo it.
     for t, _ in state.grads + held.grads:
         t.grad = None
+    token = _LISTENERS.set((*_LISTENERS.get(), state.keep_written))
     try:
         yield
     finally:
+        _LISTENERS.reset(token)
         try:
             state.restore()
             held.restore()
@@ -199,9 +261,22 @@ class _ModelState:
         self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for buffers in self.buffers:
             for b in buffers.values():
-                if b is not None and id(b) not in self.values:
+                if b is not None and id(b) not in self.values and has_plain_values(b):
                     self.values[id(b)] = (b, b.detach().clone())
         self.grads = [(p, p.grad) for p in model.parameters()]
+        self.own = {id(p) for p in model.parameters()}
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Host copies of the parameters the forward writes in place (NOTE [runtime:
+        parameters the forward writes])."""
+        self.keep_written([p for p in model.parameters() if _WRITTEN_BY_FORWARD.get(id(p)) is p])
+
+    def keep_written(self, parameters: list[torch.Tensor]) -> None:
+        """Keep host copies of those of ``parameters`` that are this model's and not kept
+        yet: their values as found, since no real step has run in the block before a fake
+        step finds them written."""
+        for p in parameters:
+            if id(p) in self.own and id(p) not in self.written and has_plain_values(p):
+                self.written[id(p)] = (p, p.detach().to("cpu", copy=True))
 
     def restore(self) -> None:
         for m, training, buffers, non_persistent, parameters in zip(
@@ -219,6 +294,8 @@ class _ModelState:
             m._non_persistent_buffers_set.update(non_persistent)
         for b, saved in self.values.values():
             put_back(b, saved)
+        for p, host in self.written.values():
+            put_back(p, host.to(p.device))
         for p, grad in self.grads:
             p.grad = grad
 
@@ -257,7 +334,8 @@ class _InputState:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            copy = None if is_fake(t) else t.detach().to("cpu", copy=True)
+            # values only of a dense tensor with data (NOTE [runtime: unusual state])
+            copy = t.detach().to("cpu", copy=True) if has_plain_values(t) else None
             self.tensors.append((t, _version(t), copy))
         self.grads = [(t, t.grad) for t, _, _ in self.tensors if t.is_leaf and t.requires_grad]
 
@@ -299,38 +377,56 @@ def fake_step(
     graph holds itself (constants an export capture lifted) are converted when first used.
     On the meta device there is nothing to fake: the model and inputs are yielded as given.
     ``twins``, when given, is filled with each real tensor's twin, by ``id`` of the real one
-    (what an optimizer's stand-in steps: autockpt/base/optimizer.py).
+    (what an optimizer's stand-in steps: autockpt/base/optimizer.py). Inside a
+    :func:`parameters_written` block, either way, the parameters the forward writes in
+    place are told (NOTE [runtime: parameters the forward writes]); elsewhere nothing
+    watches the step's operators.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
+    parameters = dict(model.named_parameters(remove_duplicate=False))
     if device_of(model, inputs).type == "meta":
-        yield inputs
+        writes = _watch(parameters)
+        try:
+            with writes or contextlib.nullcontext():
+                yield inputs
+        finally:
+            _tell(writes, parameters)
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     twins = {} if twins is None else twins
 
     def twin(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in twins:
-            fake = mode.from_tensor(t)
+            # a tensor without dense values gets a dense stand-in of its shape: what the
+            # step's bookkeeping reads of it (NOTE [runtime: unusual state])
+            fake = _stand_in(mode, t) if is_unusual(t) else mode.from_tensor(t)
             if t.requires_grad and not fake.requires_grad:
                 fake.requires_grad_(True)
             twins[id(t)] = fake
         return twins[id(t)]
 
-    state = {name: twin(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    state = {name: twin(p) for name, p in parameters.items()}
     state |= {name: twin(b) for name, b in model.named_buffers(remove_duplicate=False)}
     fake_inputs = Inputs(
         pytree.tree_map_only(torch.Tensor, twin, inputs.args),
         pytree.tree_map_only(torch.Tensor, twin, inputs.kwargs),
     )
     grads = {name: p.grad for name, p in model.named_parameters()}
+    writes = _watch({name: state[name] for name in parameters})
     try:
-        with _reparametrize_module(model, state), mode, caches_as_found(model):
+        with (
+            _reparametrize_module(model, state),
+            mode,
+            writes or contextlib.nullcontext(),
+            caches_as_found(model),
+        ):
             yield fake_inputs
     finally:
         for name, p in model.named_parameters():  # a stray fake gradient never survives
             p.grad = grads.get(name)
+        _tell(writes, parameters)  # outside the fake mode: listeners copy real values
 
 
 @contextmanager
@@ -383,6 +479,176 @@ def _model_caches(model: nn.Module) -> list[Any]:
                 if isinstance(candidate, functools._lru_cache_wrapper):
                     caches[id(candidate)] = candidate
     return list(caches.values())
+
+
+# NOTE [runtime: parameters the forward writes]. A forward may update a *parameter* in place
+# (EDM2's forced weight normalisation: ``with torch.no_grad(): self.weight.copy_(...)``). A
+# checkpointed segment that recomputes such a forward runs the update again, on the updated
+# value: gradients and, after optimizer steps, parameters differ from eager's. Such
+# parameters are treated as mutated buffers are: the profile's fake step finds them
+# (:class:`_ParameterWrites`, by operator schema, so ``.data.copy_`` counts too; an
+# optimizer's step does not, :func:`outside_the_forward`), planning adds them to the
+# profile's mutated state (autockpt/planning/prepared.py), and each segment that touches one
+# remembers its object and values at forward and recomputes on exactly those
+# (``restore_buffers``; autockpt/rewrite/segment.py). One mechanism, not a second: the
+# plan field keeps its name and lists parameters beside buffers. Planning's own real steps
+# (the probe, verification) would move them too, so :func:`as_found` keeps host copies of
+# the parameters a fake step found written: blocks already running hear of them before
+# their first real step (the fake step runs first), later blocks read
+# :data:`_WRITTEN_BY_FORWARD` when they start. Why a weak registry of parameter objects:
+# what a forward writes is a property of the model's code, learnt once per parameter, and
+# it must reach every later ``as_found`` (``optimize`` after ``Planner``, ``measure`` of
+# the result) without keeping a model alive or copying every parameter of every model.
+
+_WRITTEN_BY_FORWARD: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""Parameters a fake step saw the forward write in place, by ``id`` (a tensor's ``==`` is
+elementwise, so no ``WeakSet``; an entry goes with its parameter), NOTE [runtime: parameters
+the forward writes]."""
+
+_LISTENERS: contextvars.ContextVar[tuple[Callable[[list[torch.Tensor]], None], ...]] = (
+    contextvars.ContextVar("autockpt_parameter_writes", default=())
+)
+"""Each running :func:`as_found` block: what it does on hearing of parameters the forward
+writes (keeps their values)."""
+
+_COLLECTORS: contextvars.ContextVar[tuple[set[str], ...]] = contextvars.ContextVar(
+    "autockpt_parameters_written", default=()
+)
+"""Each running :func:`parameters_written` block: the names it collects."""
+
+_OUTSIDE_THE_FORWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "autockpt_outside_the_forward", default=False
+)
+"""Set by :func:`outside_the_forward`: writes to parameters now are not the forward's."""
+
+
+def heard_written(written: dict[str, torch.Tensor]) -> None:
+    """The forward writes the parameters ``written`` (name: real object) in place: a fake
+    step saw it, or a profile reused from an earlier call says so. Every running
+    :func:`as_found` block keeps their values from now on, and so does every later one
+    (NOTE [runtime: parameters the forward writes])."""
+    for p in written.values():
+        _WRITTEN_BY_FORWARD[id(p)] = p
+    for listener in _LISTENERS.get():
+        listener([*written.values()])
+    for names in _COLLECTORS.get():
+        names.update(written)
+
+
+@contextmanager
+def parameters_written() -> Iterator[set[str]]:
+    """The names of the parameters that fake steps run inside the block saw the forward
+    write in place, filled as they run (NOTE [runtime: parameters the forward writes])."""
+    names: set[str] = set()
+    token = _COLLECTORS.set((*_COLLECTORS.get(), names))
+    try:
+        yield names
+    finally:
+        _COLLECTORS.reset(token)
+
+
+@contextmanager
+def outside_the_forward() -> Iterator[None]:
+    """A block inside a fake step whose writes to parameters are not the forward's (an
+    optimizer's step: autockpt/base/optimizer.py)."""
+    token = _OUTSIDE_THE_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _OUTSIDE_THE_FORWARD.reset(token)
+
+
+class _ParameterWrites(TorchDispatchMode):
+    """Inside a fake step: which of the model's parameters (their fake twins, by storage)
+    an operator writes in place, by its schema (NOTE [runtime: parameters the forward
+    writes]). Costs one lookup per operator; operators that write nothing return at once."""
+
+    def __init__(self, twins: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.names: dict[int, list[str]] = {}
+        for name, t in twins.items():
+            if t.layout == torch.strided:
+                self.names.setdefault(id(t.untyped_storage()), []).append(name)
+        self.found: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        written = _written_arguments(func)
+        if written and not _OUTSIDE_THE_FORWARD.get():
+            for position, name in written:
+                value = args[position] if position < len(args) else kwargs.get(name)
+                for t in tensors_in(value):
+                    if t.layout == torch.strided:
+                        self.found.update(self.names.get(id(t.untyped_storage()), ()))
+        return func(*args, **kwargs)
+
+
+def _watch(twins: dict[str, torch.Tensor]) -> _ParameterWrites | None:
+    """The watch for a fake step whose parameters are ``twins`` (by name), inside a
+    :func:`parameters_written` block; elsewhere None (the recorded step, the model as
+    written: the profile's fake step has told what they would find), since it costs a Python
+    dispatch per operator (+17% on the zoo GPT's fake structure pass)."""
+    return _ParameterWrites(twins) if _COLLECTORS.get() else None
+
+
+def _tell(writes: _ParameterWrites | None, parameters: dict[str, torch.Tensor]) -> None:
+    """Tell what ``writes`` found, by the real ``parameters``' names and objects."""
+    if writes is not None and writes.found:
+        heard_written({name: parameters[name] for name in sorted(writes.found)})
+
+
+@functools.cache
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """Position and name of each argument ``func`` writes in place, by its schema."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(
+        (k, argument.name)
+        for k, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+# NOTE [runtime: unusual state]. A model may hold tensors whose values are not one dense
+# strided storage: openai/whisper registers ``alignment_heads`` as a sparse COO buffer, and
+# models carry quantized, meta or wrapper-subclass (DTensor, float8) tensors. Comparing or
+# copying their values (``torch.equal`` has no sparse kernel) and reading their storage
+# fail, and a fake tensor of a quantized one cannot be made. The rule: such a tensor is left
+# as found by *identity* (its slot gets the very object back; no value is compared or
+# copied); a fake step gives it a dense stand-in of its shape and dtype with zero strides
+# (one element of memory), which is what the step's bookkeeping reads of it; its bytes
+# count as its parts' storages (autockpt/base/allocations.py). That is exact for what the
+# forward does not read. A captured forward that does read one is refused before
+# profiling with :class:`UnusualStateError` naming it (autockpt/planning/prepared.py):
+# fake steps would compute with the stand-in, and the probe cannot time it.
+
+
+def is_unusual(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are not one dense strided storage (NOTE [runtime: unusual
+    state]): sparse, nested or other non-strided layouts, quantized, a wrapper subclass."""
+    return (
+        t.layout != torch.strided
+        or t.is_quantized
+        or hasattr(t, "__tensor_flatten__")
+        or isinstance(t, nn.parameter.UninitializedTensorMixin)
+    )
+
+
+def has_plain_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` has dense values autockpt may compare and copy: not unusual (NOTE
+    [runtime: unusual state]) and not fake or meta."""
+    return not is_unusual(t) and not is_fake(t)
+
+
+def _stand_in(mode: Any, t: torch.Tensor) -> torch.Tensor:
+    """A fake, dense stand-in of ``t`` (NOTE [runtime: unusual state]): its shape and dtype
+    (a quantized one's integer dtype), zero strides, so one element of storage."""
+    dtype = t.dtype
+    if t.is_quantized:
+        dtype = {torch.quint8: torch.uint8, torch.qint8: torch.int8}.get(dtype, torch.int32)
+    with mode:
+        return torch.empty_strided(tuple(t.shape), (0,) * t.dim(), dtype=dtype, device=t.device)
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -50,9 +50,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autockpt.base.allocations import storage_key
+from autockpt.base.allocations import storage_bytes, storage_key
 from autockpt.base.inputs import Inputs
 from autockpt.base.precision import Precision
+from autockpt.base.runtime import is_unusual
 from autockpt.capture.captured import Capture
 from autockpt.costs.profile import Profile
 from autockpt.costs.timing import clear_store
@@ -195,8 +196,19 @@ def cache_size() -> int:
 
 
 def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
-    if t.layout != torch.strided:
-        raise _Uncacheable(f"a {t.layout} tensor")
+    if is_unusual(t):
+        # no strides or storage of its own (sparse, quantized, a wrapper subclass): the
+        # object is planned around (NOTE [runtime: unusual state]); its bytes are static
+        return (
+            type(t),
+            str(t.layout),
+            t.is_quantized,
+            tuple(t.shape),
+            storage_bytes(t),
+            t.dtype,
+            str(t.device),
+            t.requires_grad,
+        )
     return (
         type(t),
         tuple(t.shape),

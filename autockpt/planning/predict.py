@@ -22,9 +22,9 @@ from autockpt.costs.problem import NodeRange, StageRange
 from autockpt.costs.profile import KEEP_OVERHEAD_SECONDS, NodeProfile
 from autockpt.plan import MemoryTimeline, scoped_bytes
 from autockpt.planning.prepared import Prepared
-from autockpt.planning.specs import buffers_used
+from autockpt.planning.specs import buffers_used, state_tensor
 from solvers import Simulation, replay, simulate
-from solvers.search import ReplayChain
+from solvers.search import RankShift, ReplayChain
 
 
 class Predictor:
@@ -42,6 +42,10 @@ class Predictor:
             segment_overhead_seconds=problem.segment_overhead_seconds,
             offset_bytes=self.in_scope(0),
             problem=problem,
+            # a rank's peak: the replay's plus the plan's shift (NOTE [search: per-rank peaks])
+            rank_shift=None
+            if problem is prepared.single_problem
+            else RankShift(problem, prepared.single_problem),
             # what keeping a node saves: its cost, less what keeping it costs; only nodes
             # that do arithmetic (docs/design.md, "Selective recompute")
             node_seconds=tuple(
@@ -72,11 +76,10 @@ class Predictor:
     def rank_shift(self, segments: Sequence[StageRange]) -> int:
         """Per-rank minus single-process prediction of a plan: verification measures one
         unsharded process and moves the result to a rank by this difference (what sharding
-        changes is static and engine memory; what the profile missed stays the same)."""
-        chain, single = self.prepared.chain, self.prepared.single_problem
-        if chain.problem is single:
-            return 0
-        return simulate(chain.problem, segments).peak_bytes - simulate(single, segments).peak_bytes
+        changes is static and engine memory; what the profile missed stays the same). The
+        search adds the same shift to every plan it judges (NOTE [search: per-rank peaks])."""
+        shift = self.replay_chain.rank_shift
+        return 0 if shift is None else shift(segments)
 
     # -- predictions ----------------------------------------------------------------------
 
@@ -209,7 +212,8 @@ class Predictor:
         ]
 
     def _stage_stash_bytes(self) -> list[int]:
-        """Per stage, the bytes of the mutated buffers its nodes touch: a segment holding
+        """Per stage, the bytes of the mutated buffers (and parameters the forward writes,
+        NOTE [runtime: parameters the forward writes]) its nodes touch: a segment holding
         the stage snapshots them at its forward and again while it recomputes
         (autockpt/rewrite/segment.py, ``_BufferState``). Sizes are the buffers' as the
         recorded step leaves them: a forward may replace one (a table built on the first
@@ -220,7 +224,7 @@ class Predictor:
         after = dict(prepared.trace.buffer_bytes)
         return [
             sum(
-                after.get(name, prepared.model.get_buffer(name).nbytes)
+                after.get(name, state_tensor(prepared.model, name).nbytes)
                 for name in buffers_used(nodes[first:stop], mutated)
             )
             for first, stop in prepared.chain.stages

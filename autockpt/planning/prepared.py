@@ -38,7 +38,13 @@ from autockpt.base.allocations import StorageSet
 from autockpt.base.inputs import Inputs
 from autockpt.base.optimizer import state_bytes
 from autockpt.base.precision import Precision
-from autockpt.base.runtime import device_of, release_freed_heap
+from autockpt.base.runtime import (
+    device_of,
+    heard_written,
+    is_unusual,
+    parameters_written,
+    release_freed_heap,
+)
 from autockpt.capture.captured import Capture
 from autockpt.costs.blocks import (
     PerBlockPlan,
@@ -52,6 +58,7 @@ from autockpt.costs.problem import Chain, StageRange, build_chain
 from autockpt.costs.profile import Profile, profile, trained_parameters
 from autockpt.costs.record import ACCUMULATED_GRADIENTS, OPTIMIZER_STATE, record_trace
 from autockpt.costs.timing import TIMING_PASSES
+from autockpt.errors import UnusualStateError
 from autockpt.plan import RankMemory
 from autockpt.planning.request import Phases, Request, logger
 from autockpt.planning.sharding import check_units_called, rank_problem
@@ -201,6 +208,7 @@ def prepare(
     next reads; split, the frozen record's fields would travel through four signatures."""
     sharding = request.sharding
     check_units_called(captured, sharding.units)
+    refuse_unusual_reads(model, captured)
     if reused is not None:
         phases.stop()
         prof, trace = reused
@@ -210,15 +218,17 @@ def prepare(
             prof = prof.with_timing(prof.timing.with_stored_factors())
     else:
         phases.start("profile", "profiling (fake tensors, then node by node on the device)")
-        prof = profile(
-            model,
-            captured,
-            inputs,
-            loss_fn=request.loss_fn,
-            optimizer=request.optimizer,
-            estimate_times=None if request.probe else True,
-            repeat=TIMING_PASSES,
-        )
+        with parameters_written() as written:
+            prof = profile(
+                model,
+                captured,
+                inputs,
+                loss_fn=request.loss_fn,
+                optimizer=request.optimizer,
+                estimate_times=None if request.probe else True,
+                repeat=TIMING_PASSES,
+            )
+        prof = with_written_parameters(prof, written)
         release_freed_heap()  # the probe's real tensors are gone: so are their pages
         # The plan simulator: one step's allocations (fake tensors plus measured
         # workspaces), replayed under each plan; with an optimizer, one training iteration's.
@@ -232,6 +242,7 @@ def prepare(
             optimizer=request.optimizer,
             accumulation_steps=request.accumulation_steps,
         )
+    say_written_parameters(model, captured, prof)
     block_classes = find_block_classes(model)
     blocks = block_classes[0] if block_classes else None
     resident = dict(trace.resident)
@@ -289,6 +300,78 @@ def prepare(
         ),
         planning_peak_bytes=planning.peak(prof),
     )
+
+
+def with_written_parameters(prof: Profile, written: set[str]) -> Profile:
+    """``prof`` with the parameters its fake step saw the forward write in place among its
+    mutated state (NOTE [runtime: parameters the forward writes]): a segment touching one
+    restores it around its recompute, as it does a mutated buffer, and the predictor counts
+    its snapshot. Unchanged (the same object) when the forward writes none."""
+    if not written:
+        return prof
+    mutated = tuple(sorted({*prof.mutated_buffers, *written}))
+    return dataclasses.replace(prof, mutated_buffers=mutated)
+
+
+def say_written_parameters(model: nn.Module, captured: Capture, prof: Profile) -> None:
+    """Tell the running ``as_found`` blocks which parameters the forward writes in place (a
+    reused profile has run no fake step in this call), so planning's real steps leave them
+    as found, and add a note saying so to the capture's, which become the plan's (NOTE
+    [runtime: parameters the forward writes])."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    written = {name: parameters[name] for name in prof.mutated_buffers if name in parameters}
+    if not written:
+        return
+    heard_written(written)
+    note = (
+        f"the forward updates {_listed(sorted(written))} in place (e.g. a forced weight "
+        "normalisation under torch.no_grad()): a segment that recomputes such an update "
+        "restores the parameter's value before and after its recompute, as it does a mutated "
+        "buffer (restore_buffers), so the update happens once per step and the recompute "
+        "sees the value the forward saw"
+    )
+    if note not in captured.warnings:
+        captured.warnings.append(note)
+
+
+def _listed(names: list[str], at_most: int = 4) -> str:
+    shown = ", ".join(names[:at_most])
+    more = len(names) - at_most
+    word = "parameter" if len(names) == 1 else "parameters"
+    return f"{word} {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def refuse_unusual_reads(model: nn.Module, captured: Capture) -> None:
+    """Raise :class:`~autockpt.errors.UnusualStateError` when the captured graph reads
+    a parameter or buffer without dense values (sparse, quantized, a wrapper subclass): by
+    an attribute node, or inside a module it calls whole. Those it does not read are planned
+    around (NOTE [runtime: unusual state])."""
+    read: set[str] = set()
+    called: list[str] = []
+    for node in captured.graph.nodes:
+        if node.op == "get_attr":
+            read.add(str(node.target))
+        elif node.op == "call_module":
+            called.append(f"{node.target}.")
+    tensors = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, t in tensors:
+        if not is_unusual(t):
+            continue
+        if name in read or any(name.startswith(prefix) for prefix in called):
+            kind = "quantized" if t.is_quantized else str(t.layout).replace("torch.", "")
+            if t.layout == torch.strided and not t.is_quantized:
+                kind = type(t).__name__
+            raise UnusualStateError(
+                f"the forward reads '{name}', a {kind} tensor ({type(t).__name__}, shape "
+                f"{list(t.shape)}): autockpt sizes a step on fake tensors and times it node by "
+                "node, and cannot do either with a tensor that is not one dense strided "
+                "tensor. Register a dense copy for the forward to read instead "
+                "(tensor.to_dense(), tensor.dequantize(), a DTensor's full_tensor()), or keep "
+                "it out of the forward: tensors the forward does not read may stay as they are"
+            )
 
 
 def start(model: nn.Module, inputs: Inputs) -> tuple[torch.device, Precision, PlanningPeak]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from autockpt.capture.captured import Capture
 from autockpt.costs.problem import Chain
@@ -29,8 +30,9 @@ def segment_specs(
     * its stage range becomes the node range ``[first, stop)`` it covers;
     * it preserves the RNG state when any of its nodes draws random numbers (dropout), so
       that the recompute draws the forward's masks;
-    * it restores the mutated buffers its nodes touch (:func:`buffers_used`), so that they
-      advance once per step and the recompute reads them as the forward did;
+    * it restores the mutated buffers its nodes touch, and the parameters the forward
+      writes in place (:func:`buffers_used`), so that they advance once per step and the
+      recompute reads them as the forward did;
     * each kept node becomes the ``(node, operator, index)`` of its allocating operator call
       (:func:`kept_calls`): what the segment's selective-checkpoint policy matches.
     """
@@ -75,7 +77,9 @@ def kept_calls(
 
 
 def buffers_used(nodes: Sequence[torch.fx.Node], mutated: set[str]) -> tuple[str, ...]:
-    """Mutated buffers that a segment's nodes touch (via a module call or an attribute)."""
+    """Mutated buffers (and parameters the forward writes in place: NOTE [runtime:
+    parameters the forward writes]) that a segment's nodes touch (via a module call or an
+    attribute)."""
     used: set[str] = set()
     for node in nodes:
         if node.op == "call_module":
@@ -85,3 +89,13 @@ def buffers_used(nodes: Sequence[torch.fx.Node], mutated: set[str]) -> tuple[str
             if arg.op == "get_attr" and arg.target in mutated:
                 used.add(arg.target)
     return tuple(sorted(used))
+
+
+def state_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The buffer or parameter ``name`` of ``model`` (a segment's ``restore_buffers`` names
+    both: NOTE [runtime: parameters the forward writes])."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    if attr in module._parameters:
+        return module.get_parameter(attr)
+    return module.get_buffer(attr)

@@ -5,8 +5,10 @@ graph, with what that needs to equal eager.
   recompute draws the forward's masks; a segment that runs the user's own Python replays
   Python's and NumPy's generators too (:class:`_PythonRng`).
 * Buffers the forward mutates (batch-norm statistics, counters, a table built on the first
-  call) are snapshotted when the segment runs forward and restored around its recompute
-  (:class:`_BufferState`), so that they advance once per step.
+  call), and parameters it updates in place (EDM2's forced weight normalisation), are
+  snapshotted when the segment runs forward and restored around its recompute
+  (:class:`_BufferState`), so that they advance once per step and the recompute sees the
+  values the forward saw.
 * Selective recompute: kept operator outputs are caught in the forward and handed back in
   the recompute (:class:`_KeepCalls`; markers in eager, torch's selective-checkpoint
   policy under ``torch.compile``).
@@ -350,21 +352,27 @@ class _BufferState:
     changed) and then puts back whatever it found (so running statistics and counters
     advance once per step). Slots are looked up by (module, name) at each entry and restored
     by reassignment: a forward may replace a buffer (timm's ConViT builds its table on the
-    first call), and copying remembered values into the replacement would overwrite it."""
+    first call), and copying remembered values into the replacement would overwrite it.
+
+    A name may be a parameter's: one the forward updates in place (NOTE [runtime: parameters
+    the forward writes]) is remembered and put back the same way, so the recompute starts
+    from the value the forward saw before its update, and the updated value is back after
+    it. Parameters are never removed or replaced here: only their values move."""
 
     def __init__(self, root: nn.Module, names: tuple[str, ...]) -> None:
         self.root = root
         self.names = names
-        self.at_forward: list[tuple[nn.Module, str, Any, torch.Tensor | None]] = []
+        self.at_forward: list[tuple[dict[str, Any], str, Any, torch.Tensor | None]] = []
 
-    def _take(self) -> list[tuple[nn.Module, str, Any, torch.Tensor | None]]:
+    def _take(self) -> list[tuple[dict[str, Any], str, Any, torch.Tensor | None]]:
         found = []
         for name in self.names:
             path, _, attr = name.rpartition(".")
             module = self.root.get_submodule(path)
-            held = module._buffers.get(attr, _ABSENT)
+            slots = module._parameters if attr in module._parameters else module._buffers
+            held = slots.get(attr, _ABSENT)
             values = held.detach().clone() if isinstance(held, torch.Tensor) else None
-            found.append((module, attr, held, values))
+            found.append((slots, attr, held, values))
         return found
 
     @contextlib.contextmanager
@@ -385,11 +393,11 @@ class _BufferState:
 _ABSENT = object()
 
 
-def _put(found: list[tuple[nn.Module, str, Any, torch.Tensor | None]]) -> None:
-    for module, attr, held, values in found:
+def _put(found: list[tuple[dict[str, Any], str, Any, torch.Tensor | None]]) -> None:
+    for slots, attr, held, values in found:
         if held is _ABSENT:
-            module._buffers.pop(attr, None)
+            slots.pop(attr, None)
             continue
-        module._buffers[attr] = held
+        slots[attr] = held
         if values is not None:
             put_back(held, values, if_changed=False)
