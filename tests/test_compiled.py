@@ -78,7 +78,7 @@ def _first_step(result: nn.Module, example) -> tuple[int, int]:
 def _partitions_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
     """The clock as a stand-in: compile's partitions time at a tenth of what they measure,
     so that their hand-back is exercised whatever this machine measures."""
-    real = autockpt.api.time_steps
+    real = autockpt.planning.routes.compiled.time_steps
 
     def faster(modules, *args, **kwargs):
         seconds = real(modules, *args, **kwargs)

@@ -132,6 +132,9 @@ class BudgetSearch:
         )
 
     def _segment_plan(self, budget_bytes: int, time_limit_s: float | None) -> Solution:
+        none = self.predict([])
+        if none <= budget_bytes:  # nothing to checkpoint (a rank's peak, when sharded)
+            return _with_peak(_EMPTY, none)
         return self._fitting(
             budget_bytes,
             # the leanest plan is a seed too: a budget at or above the stated minimum
@@ -188,14 +191,22 @@ class BudgetSearch:
         here judges plans by that prediction (a rank's shift included: NOTE [search:
         per-rank peaks]), so its plan fits; should it not, the leanest plan answers where
         it fits. Raises :class:`solvers.InfeasibleError` when no plan fits."""
-        found = search(budget_bytes)  # raises InfeasibleError
-        peak = self.predict(found.segments)
-        if peak <= budget_bytes:
-            return _with_peak(found, peak)
+        try:
+            found = search(budget_bytes)
+        except InfeasibleError:
+            found = None  # a search cut by its safety net: the leanest plan still answers
+        if found is not None:
+            peak = self.predict(found.segments)
+            if peak <= budget_bytes:
+                return _with_peak(found, peak)
         lean = self.leanest()
         if lean.peak_bytes <= budget_bytes:
             return lean
         raise InfeasibleError(f"no plan found within {budget_bytes} bytes")
+
+
+_EMPTY = Solution([], 0.0, 0, "optimal", "replay-exact", 0.0, 0.0)
+"""The plan that checkpoints nothing: the answer wherever the step without checkpoints fits."""
 
 
 def _with_peak(solution: Solution, peak: int) -> Solution:
