@@ -21,6 +21,7 @@ from autockpt._version import __version__
 
 if TYPE_CHECKING:  # what the names below resolve to, for readers and type checkers
     from autockpt.api import apply, clear_cache, optimize
+    from autockpt.base.target import TARGETS, Target
     from autockpt.errors import (
         AutockptError,
         BatchSizeError,
@@ -35,7 +36,9 @@ if TYPE_CHECKING:  # what the names below resolve to, for readers and type check
         OptimizerError,
         PlanFormatError,
         PlanMismatchError,
+        PrecisionError,
         PrecisionWarning,
+        TargetError,
         TraceError,
         UncoveredCallWarning,
         UnusualStateError,
@@ -64,7 +67,9 @@ _HOME = {
             "OptimizerError",
             "PlanFormatError",
             "PlanMismatchError",
+            "PrecisionError",
             "PrecisionWarning",
+            "TargetError",
             "TraceError",
             "UncoveredCallWarning",
             "UnusualStateError",
@@ -73,6 +78,7 @@ _HOME = {
     ),
     **dict.fromkeys(("BatchCandidate", "BatchFit", "fit_batch"), "autockpt.fit"),
     **dict.fromkeys(("Measurement", "measure"), "autockpt.measure"),
+    **dict.fromkeys(("TARGETS", "Target"), "autockpt.base.target"),
     **dict.fromkeys(("MemoryBreakdown", "OptimizerRecord", "Plan", "Segment"), "autockpt.plan"),
 }
 
@@ -129,8 +135,12 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "PlanMismatchError",
+    "PrecisionError",
     "PrecisionWarning",
     "Segment",
+    "TARGETS",
+    "Target",
+    "TargetError",
     "TraceError",
     "DefaultLossWarning",
     "UncoveredCallWarning",

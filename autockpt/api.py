@@ -27,7 +27,9 @@ from torch import nn
 
 from autockpt.base.inputs import Inputs
 from autockpt.base.optimizer import check_optimizer
+from autockpt.base.precision import Precision
 from autockpt.base.runtime import LossFn, as_found, training_mode, unit_loss, warn_if_eval
+from autockpt.base.target import Target
 from autockpt.costs.problem import DEFAULT_MAX_STAGES
 from autockpt.distributed import PlanRequest, plan_on_one_rank
 from autockpt.errors import PlanMismatchError
@@ -39,6 +41,7 @@ from autockpt.planning.request import (
     ProgressFn,
     Request,
     budget_in_bytes,
+    budget_or_default,
     check_budget_gb,
     check_iteration,
 )
@@ -68,7 +71,7 @@ def optimize(
     model: nn.Module,
     example_inputs: Any,
     *,
-    budget_gb: float,
+    budget_gb: float | None = None,
     solver: str = "auto",
     scope: str = "total",
     loss_fn: LossFn | None = None,
@@ -87,6 +90,8 @@ def optimize(
     cache: bool = True,
     on_precision_change: str = "replan",
     compile_budgets: Sequence[float] | None = None,
+    target: Target | str | None = None,
+    precision: Precision | str | None = None,
 ) -> nn.Module:
     """Return ``model`` rewritten to checkpoint activations so that one training step's
     peak memory fits ``budget_gb`` GiB at the least predicted recompute time.
@@ -153,12 +158,24 @@ def optimize(
     each is measured compiled, and the fastest step whose measured peak fits the budget is
     handed back (NOTE [compiled: partitioner budgets]; ``()``: autockpt's plan alone).
 
+    Planning before launch (docs/large-runs.md): a model built on the meta device is planned
+    for ``target``, a device it will run on (``"h100"``, ``"h200"``, ``"a100"``, ``"l4"``,
+    ``"mi300x"`` or an :class:`autockpt.Target`): its fused attention and autocast, its
+    roofline times, and its memory less a reserve as the default budget (NOTE [target:
+    planning for another device]). ``precision``: ``"bf16-mixed"`` / ``"16-mixed"`` plan
+    autocast on the device the run uses (the target's) whatever context is around the call;
+    ``"bf16-true"`` checks the parameters are bfloat16; None: the autocast context around
+    the call. ``budget_gb`` may be left out only with a target.
+
     Why this is long: this docstring is the reference of every argument of the front door;
     the body is a straight line (check, plan on one rank, settle the result).
     """
-    # every argument but the model and its inputs: what planning again repeats
-    request = {k: v for k, v in locals().items() if k not in ("model", "example_inputs")}
-    budget_gb = check_budget_gb(budget_gb)
+    # every argument but the model and its inputs and precision: what planning again
+    # repeats (a call in another precision is planned in that one)
+    request = {
+        k: v for k, v in locals().items() if k not in ("model", "example_inputs", "precision")
+    }
+    budget_gb = check_budget_gb(budget_or_default(budget_gb, target))
     check_setting("on_precision_change", on_precision_change)
     if compile_budgets is not None:
         check_compile_budgets(compile_budgets)
@@ -187,6 +204,8 @@ def optimize(
             progress=progress,
             budget_gb=budget_gb,
             cache=cache,
+            target=target,
+            precision=precision,
         )
         return planner.optimize(
             budget_gb=budget_gb,
@@ -270,6 +289,13 @@ class _OfTheGraph(_Routed):
         return planner.graph_route(self.name)
 
 
+_AGAIN = (
+    *("scope", "loss_fn", "leaf_modules", "max_stages", "world_size", "sharding"),
+    *("fsdp_units", "optimizer", "accumulation_steps", "cache", "target"),
+)
+"""The planner's arguments a plan for another precision repeats (not the precision)."""
+
+
 class Planner:
     """Capture and profile a model once; then plan it for any number of budgets.
 
@@ -347,21 +373,14 @@ class Planner:
         probe: bool = True,
         budget_gb: float | None = None,
         cache: bool = True,
+        target: Target | str | None = None,
+        precision: Precision | str | None = None,
     ) -> None:
         budget_bytes = None if budget_gb is None else budget_in_bytes(check_budget_gb(budget_gb))
+        leaf_modules = tuple(leaf_modules)
+        fsdp_units = None if fsdp_units is None else tuple(fsdp_units)
         # what planning again for another precision repeats (NOTE [rewrite: precision change])
-        self._options: dict[str, Any] = dict(
-            scope=scope,
-            loss_fn=loss_fn,
-            leaf_modules=tuple(leaf_modules),
-            max_stages=max_stages,
-            world_size=world_size,
-            sharding=sharding,
-            fsdp_units=None if fsdp_units is None else tuple(fsdp_units),
-            optimizer=optimizer,
-            accumulation_steps=accumulation_steps,
-            cache=cache,
-        )
+        self._options: dict[str, Any] = {k: v for k, v in locals().items() if k in _AGAIN}
         model, hand_back = unwrap(model)
         self.progress: ProgressFn = progress or (lambda stage: None)
         if scope not in SCOPES:
@@ -377,32 +396,26 @@ class Planner:
         self.phase_seconds: dict[str, float] = phases.seconds
         """Wall seconds per planning phase (capture, profile, record, search, verify)."""
         with as_found(model, self.inputs), training_mode(model):
-            device, self.precision, planning_peak = start(model, self.inputs)
+            device, self.precision, planning_peak, target = start(
+                model, self.inputs, precision, target
+            )
             self.request = Request(
-                scope,
-                loss_fn,
-                tuple(leaf_modules),
-                max_stages,
-                self.sharding,
-                self.optimizer,
-                accumulation_steps,
-                probe,
-                precision=self.precision,
-                device=device,
-                cache=cache,
-            )
+                scope, loss_fn, leaf_modules, max_stages, self.sharding, self.optimizer,
+                accumulation_steps, probe, self.precision, device, cache, target,
+            )  # fmt: skip
             """Every input of planning, checked and frozen (NOTE [planning: one request])."""
-            self.route: Route = choose_route(
-                model,
-                self.inputs,
-                self.request,
-                phases=phases,
-                planning_peak=planning_peak,
-                hand_back=hand_back,
-                budget_bytes=budget_bytes,
-                progress=self.progress,
-                plan_unit=self._plan_unit,
-            )
+            with self.precision.entered():  # the one asked for, or the caller's
+                self.route: Route = choose_route(
+                    model,
+                    self.inputs,
+                    self.request,
+                    phases=phases,
+                    planning_peak=planning_peak,
+                    hand_back=hand_back,
+                    budget_bytes=budget_bytes,
+                    progress=self.progress,
+                    plan_unit=self._plan_unit,
+                )
             """The way this model is planned (NOTE [routes: protocol])."""
         self.nested = self.route if isinstance(self.route, UnitsRoute) else None
         """The units route, when the root's own forward cannot be captured (its submodule

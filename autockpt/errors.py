@@ -154,6 +154,18 @@ class ShardingError(AutockptError, ValueError):
     ``sharding``. Also a ``ValueError``, since every case is a bad argument."""
 
 
+class TargetError(AutockptError, ValueError):
+    """A ``target`` autockpt cannot plan for: an unknown name, or a device type other than
+    the one a real model is on (only a model on the meta device is planned for another
+    device: autockpt/base/target.py). Raised before any capture. Also a ``ValueError``."""
+
+
+class PrecisionError(AutockptError, ValueError):
+    """A ``precision`` autockpt cannot plan: an unknown name, or one that asks for parameter
+    dtypes the model does not have (convert the model first: free on the meta device).
+    Raised before any capture. Also a ``ValueError``."""
+
+
 class BudgetError(AutockptError, ValueError):
     """A budget that is not a positive, finite number of GiB (zero, negative, NaN, infinite).
     Raised by every front door before any capture or profiling, so a typo costs nothing.

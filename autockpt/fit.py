@@ -4,28 +4,55 @@ budget, answered from predictions, without an out-of-memory trial.
 Why not the usual way: batch finders (Lightning's ``scale_batch_size``, accelerate's
 ``find_executable_batch_size``) run real steps until one fails, which costs out-of-memory
 errors and knows nothing of checkpointing. autockpt predicts the peak of any plan of a step
-it never runs (fake tensors, one node at a time on the device), so a size *fits* when its
-leanest plan's predicted peak (``Planner.minimum_peak_bytes``) is within the budget, and a
-size is judged without running a step at it. Only the answer's plan runs, once, to verify
-it (as ``optimize`` verifies its plan).
+it never runs, so a size *fits* when its leanest plan's predicted peak
+(``Planner.minimum_peak_bytes``, kernel workspaces included) is within the budget, and a size
+is judged without running a step at it. Only the answer's plan runs, once, to verify it (as
+``optimize`` verifies its plan).
 
-How the sizes are searched (:class:`_Sizes`), in two stages:
+NOTE [fit: one probe, scaled]. A size is planned two ways. *From shapes alone*
+(``Planner(..., probe=False)``: the fake step and the search, nothing run on the device) its
+leanest peak leaves out the kernels' workspaces: a lower bound. *In full* the probe runs each
+node on the device (autockpt/costs/probe.py): workspaces and times, the prediction a plan is
+made and verified by. The budget contract is that nothing runs for real above the budget,
+planning included, so a size is planned in full only when its full prediction fits, and a
+size not planned in full is judged by its shapes plus the workspaces of the sizes that were,
+scaled with the size: what the probe adds over the shapes (on a CPU, the backward of a
+convolution allocates one feature map per image that no operator returns) grows with the
+batch like the activations. Between two sizes planned in full, the line between their
+workspaces; above the largest, its workspaces times ``size / its size`` (an upper bound where
+part of a workspace is fixed, tight one size above); below the smallest, its workspaces.
+The probe's own allocator peak is reported per size (``BatchCandidate.probe_peak_bytes``),
+and a note says when it went over the budget: it runs each node on copies of its inputs
+while the graph's values stay alive, and on a CPU stack of 3x3 convolutions it peaks at
+about 1.3 times the leanest plan's prediction at the same size. Holding sizes back by it
+would cost a quarter of the answer there (23 for 31), so the search does not; the probe's
+working set is the probe's to shrink. Why:
+on VGG19 (224 x 224, SGD, 2 GiB) the shapes alone put the largest size at 19 where 15 is the
+answer, and planning 19 in full peaked 6.9% above the budget; why not plan every size in
+full: the probe runs the step's kernels, repeatedly for their times, so it is what costs
+(profile once at the smallest size, scale, and plan in full about once more, at the answer,
+which ``optimize`` then reuses).
 
-1. *From shapes alone* (``Planner(..., probe=False)``: the fake step and the search, no node
-   run on the device). Kernel workspaces only add to a plan's peak, so a size whose shapes
-   already put its leanest plan over the budget does not fit. Memory grows with the size,
-   about linearly (the activations, the inputs), while the fixed part (parameters, buffers,
-   gradients, the optimizer's state) does not: the first guess extrapolates from the
-   smallest size through that fixed part, later ones interpolate between the largest size
-   that fits and the smallest that does not (the secant), falling back to halving, until
-   they are one ``multiple_of`` apart.
-2. *In full* at the candidate: the probe measures its workspaces and times. Should they put
-   it over, stage 1 runs again under the budget less what they added. The size above the
-   answer is judged too: it does not fit in shapes alone, or, planned in full, it does not
-   fit (the neighbour is checked, never assumed).
+The search (:class:`_Sizes`):
 
-Only the answer's plan runs a real step, to verify it. The search assumes the peak grows
-with the size (a model that pads to buckets may break that); ``max_batch_size`` bounds it.
+1. The smallest size (``multiple_of``) from shapes alone: over the budget, an
+   :class:`InfeasibleBudgetError` states that lower bound (``floor_bytes``), nothing run.
+   Else it is planned in full: the one probe run on shapes alone (its working set is lean:
+   no parameter gradients, no optimizer state, values freed after their last use). Over
+   the budget in full, the error states its minimum.
+2. The bracket, from shapes alone, each size judged by its corrected prediction: the first
+   guess extrapolates from the smallest size through the part that does not grow (the
+   parameters, buffers, gradients, the optimizer's state), later ones interpolate (the
+   secant) between the largest size predicted to fit and the smallest predicted not to,
+   falling back to halving, until the two are one ``multiple_of`` apart.
+3. The largest size predicted to fit is planned in full. Its prediction is then exact: if it
+   does not fit, or the size above it is now predicted to, the bracket runs again with the
+   workspaces corrected. The answer is a size planned in full that fits, the size above it
+   predicted not to (from its shapes and the answer's own workspaces, scaled by one
+   ``multiple_of``: the neighbour is checked, never assumed).
+
+The search assumes the peak grows with the size (a model that pads to buckets may break
+that); ``max_batch_size`` bounds it.
 
 Sizes the model refuses (NOTE [fit: refused sizes]). ``make_inputs(n)`` may scale a
 sequence past what the model takes (a position table of 4096 rows, a ``max_len`` check), and
@@ -43,6 +70,10 @@ not raise: the size is the search's guess, not the user's, and the sizes below i
 answer; why not a size limit asked of the model: no model states one. Only when even
 ``multiple_of`` is refused, :class:`BatchSizeError` names the model's error. Errors of
 autockpt itself (a bad budget, an unsupported optimizer) are not refusals.
+
+The loss per size. A loss that holds targets (``cross_entropy(logits, y)``) has the size in
+it: ``make_loss(n)`` builds the loss of size ``n``, planned with ``make_inputs(n)``'s inputs
+(``autockpt fit``: each size's loss is the third item of ``factory(n)``).
 """
 
 from __future__ import annotations
@@ -62,12 +93,14 @@ from torch import nn
 
 from autockpt.api import Planner, budget_in_bytes, check_budget_gb
 from autockpt.base.inputs import Inputs
+from autockpt.base.precision import Precision
 from autockpt.base.runtime import LossFn
+from autockpt.base.target import Target
 from autockpt.costs.problem import DEFAULT_MAX_STAGES
 from autockpt.costs.record import ACCUMULATED_GRADIENTS
 from autockpt.errors import AutockptError, BatchSizeError, InfeasibleBudgetError, TraceError
 from autockpt.plan import Plan
-from autockpt.planning.request import ProgressFn
+from autockpt.planning.request import ProgressFn, budget_or_default
 from solvers import replay
 
 __all__ = ["OBJECTIVES", "BatchCandidate", "BatchFit", "fit_batch"]
@@ -95,8 +128,15 @@ class BatchCandidate:
     predicted_step_seconds: float | None = None
     samples_per_second: float | None = None
     estimated: bool = False
-    """Judged from shapes alone (no node run: kernel workspaces unknown), the leanest peak
-    then a lower bound: enough to tell that a size does not fit."""
+    """Not planned in full (no node run at this size): ``minimum_peak_bytes`` is its leanest
+    peak from shapes alone plus the workspaces of the sizes planned in full, scaled to it
+    (NOTE [fit: one probe, scaled])."""
+    shapes_minimum_bytes: int | None = None
+    """The leanest plan's peak from shapes alone (kernel workspaces left out): a lower bound."""
+    probe_peak_bytes: int | None = None
+    """Planned in full on a device: the allocator's peak while the probe ran at this size
+    (the only real tensors planning makes; within the budget, NOTE [fit: one probe,
+    scaled])."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -139,9 +179,10 @@ def fit_batch(
     model: nn.Module,
     make_inputs: Callable[[int], Any],
     *,
-    budget_gb: float,
+    budget_gb: float | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: LossFn | None = None,
+    make_loss: Callable[[int], LossFn] | None = None,
     objective: str = "largest",
     multiple_of: int = 1,
     max_batch_size: int | None = None,
@@ -156,6 +197,8 @@ def fit_batch(
     sharding: str | None = None,
     fsdp_units: Iterable[str] | None = None,
     progress: ProgressFn | None = None,
+    target: Target | str | None = None,
+    precision: Precision | str | None = None,
 ) -> BatchFit:
     """The batch size ``n`` (a multiple of ``multiple_of``) that fits ``budget_gb``, with
     ``model`` optimized at it.
@@ -168,6 +211,15 @@ def fit_batch(
     batch with more recompute against a smaller one with less). The answer is optimized like
     :func:`autockpt.optimize` does (its step measured when ``verify``).
 
+    ``loss_fn`` is the loss of every size; ``make_loss(n)`` instead builds the loss of size
+    ``n`` (one that holds targets of the size: ``lambda n: lambda out: cross_entropy(out,
+    targets(n))``), called once per size planned, after ``make_inputs(n)``; the answer is
+    planned and verified with its own size's loss.
+
+    No size runs on the device unless its prediction, kernel workspaces included, fits the
+    budget, save the smallest, planned in full once its shapes fit (NOTE [fit: one probe,
+    scaled]).
+
     With ``optimizer`` the budget covers the whole training iteration (its state and step);
     under ``sharding`` the size is one rank's batch and the budget per rank. A size the
     model raises for (past its position table, say) does not fit: the answer lists it in
@@ -177,10 +229,14 @@ def fit_batch(
     or the model refuses even ``multiple_of``. See the module docstring for how sizes are
     searched and what it assumes.
 
+    ``target`` and ``precision``: a model on the meta device is sized for the device the
+    run uses, in the precision it trains in, as :func:`autockpt.optimize` plans it (docs/
+    large-runs.md); ``budget_gb`` may then be left out (the target's memory less a reserve).
+
     Why this is long: the front door's signature and this docstring are most of it; the
     body checks every argument before any work, then hands the search to one object.
     """
-    budget_gb = check_budget_gb(budget_gb)
+    budget_gb = check_budget_gb(budget_or_default(budget_gb, target))
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     multiple_of = _positive_int("multiple_of", multiple_of)
@@ -195,6 +251,11 @@ def fit_batch(
             f"make_inputs must be a function of the size n returning example inputs, got "
             f"{type(make_inputs).__name__}"
         )
+    if make_loss is not None and (loss_fn is not None or not callable(make_loss)):
+        raise ValueError(
+            "make_loss must be a function of the size n returning the loss of that size, "
+            "and is given instead of loss_fn, not with it"
+        )
     options = {
         "optimizer": optimizer,
         "loss_fn": loss_fn,
@@ -204,6 +265,8 @@ def fit_batch(
         "world_size": world_size,
         "sharding": sharding,
         "fsdp_units": fsdp_units,
+        "target": target,
+        "precision": precision,
     }
     sizes = _Sizes(
         model,
@@ -212,6 +275,7 @@ def fit_batch(
         multiple_of,
         max_batch_size,
         options,
+        make_loss=make_loss,
         solver=solver,
         time_limit_s=time_limit_s,
         selective=selective,
@@ -245,8 +309,8 @@ def fit_batch(
         model=result,
         plan=result.plan,
         objective=objective,
-        candidates=tuple(sorted(sizes.candidates.values(), key=lambda c: c.size)),
-        notes=(*sizes.notes, *sizes.refused_note()),
+        candidates=sizes.candidates(),
+        notes=(*sizes.notes, *sizes.refused_note(), *sizes.probe_note()),
         refused_sizes=dict(sorted(sizes.refused.items())),
     )
 
@@ -255,10 +319,13 @@ def fit_batch(
 class _Planned:
     size: int
     planner: Planner | None
-    """None where the model refused the size (:attr:`refused`)."""
+    """None where the model refused the size (:attr:`refused`) or it was held back."""
     inputs: Inputs | None
     refused: str | None = None
     """The model's error at this size, its first line (NOTE [fit: refused sizes])."""
+    held: str | None = None
+    """Why this size was not planned in full: its prediction does not fit (NOTE [fit: one
+    probe, scaled])."""
 
     @property
     def minimum(self) -> int:
@@ -269,7 +336,7 @@ class _Planned:
     @property
     def ready(self) -> Planner:
         """The planner of a size the model took."""
-        assert self.planner is not None, f"size {self.size} was refused"
+        assert self.planner is not None, f"size {self.size} was refused or held back"
         return self.planner
 
 
@@ -285,25 +352,30 @@ class _Sizes:
         max_batch_size: int | None,
         options: dict[str, Any],
         *,
+        make_loss: Callable[[int], LossFn] | None,
         solver: str,
         time_limit_s: float,
         selective: bool,
         progress: ProgressFn,
     ) -> None:
         self.model, self.make_inputs, self.budget = model, make_inputs, budget_bytes
+        self.make_loss = make_loss
         self.multiple_of, self.cap = multiple_of, max_batch_size
         self.options, self.progress = options, progress
         self.solver, self.time_limit_s, self.selective = solver, time_limit_s, selective
-        self.candidates: dict[int, BatchCandidate] = {}
+        self.rows: dict[int, BatchCandidate] = {}  # sizes planned in full
         self.shapes: dict[int, _Planned] = {}  # planned from shapes alone
-        self.full: dict[int, _Planned] = {}  # planned in full
+        self.full: dict[int, _Planned] = {}  # planned in full (or refused, or held back)
         self.notes: list[str] = []
         self.inputs: dict[int, Inputs] = {}
+        self.losses: dict[int, LossFn] = {}
         self.refused: dict[int, str] = {}
         """Sizes the model refused, with its error's first line."""
         self.limit: int | None = None
         """The smallest size the probe refused where shapes alone took it (:meth:`_limit`):
         every size from it up is taken as refused, unplanned."""
+
+    # -- one size ---------------------------------------------------------------------------
 
     def example(self, size: int) -> Any:
         """``make_inputs(size)``, checked: it must not raise and must change with the size."""
@@ -324,50 +396,135 @@ class _Sizes:
         self.inputs[size] = inputs
         return example
 
+    def loss(self, size: int) -> LossFn | None:
+        """The loss of ``size``: ``make_loss(size)`` once per size, else ``loss_fn``."""
+        if self.make_loss is None:
+            return self.options["loss_fn"]
+        if size not in self.losses:
+            try:
+                loss_fn = self.make_loss(size)
+            except Exception as error:
+                raise BatchSizeError(
+                    f"make_loss({size}) raised {type(error).__name__}: {error}"
+                ) from error
+            if not callable(loss_fn):
+                raise BatchSizeError(
+                    f"make_loss({size}) returned {type(loss_fn).__name__}: it must return the "
+                    "loss of size n, a function of the model's output"
+                )
+            self.losses[size] = loss_fn
+        return self.losses[size]
+
     def plan(self, size: int, *, full: bool) -> _Planned:
-        """A planner at ``size``: in full (the probe runs: workspaces, measured times), or
-        from shapes alone (a lower bound of every plan's peak, the cost model's times)."""
+        """A planner at ``size``: in full (the probe runs: workspaces, measured times) only
+        where its prediction fits (:meth:`_held`), or from shapes alone (a lower bound of
+        every plan's peak, the cost model's times)."""
         if self.limit is not None and size >= self.limit and size not in self.refused:
             return _Planned(size, None, None, f"above {self.limit}, which the model refused")
         cache = self.full if full else self.shapes
         if size in cache:
             return cache[size]
+        if full:
+            shapes = self.plan(size, full=False)
+            if shapes.planner is None:  # refused in the fake step: refused in full alike
+                return shapes
+            held = self._held(size) if self.full else None  # the first: on its shapes
+            if held is not None:
+                return _Planned(size, None, None, held=held)
         self.progress(f"planning at size {size}" + ("" if full else " (shapes alone)"))
         example = self.example(size)
+        options = {**self.options, "loss_fn": self.loss(size)}
         try:
             with _quiet_fake_tensor_errors():
-                planner = Planner(self.model, example, probe=full, **self.options)
+                planner = Planner(self.model, example, probe=full, **options)
         except Exception as error:
             said = self._refusal(size, error)
             if said is None:
                 raise
             return self._refused(size, said, error)
         planned = _Planned(size, planner, self.inputs[size])
-        fits = planned.minimum <= self.budget
         if not full:
             self.shapes[size] = planned
-            if size not in self.candidates or self.candidates[size].estimated:
-                self.candidates[size] = BatchCandidate(size, planned.minimum, fits, estimated=True)
             return planned
-        row = BatchCandidate(size, planned.minimum, fits)
-        if fits:
-            solution = planner.solve(
-                self.budget,
-                solver=self.solver,
-                time_limit_s=self.time_limit_s,
-                selective=self.selective,
-            )
-            step = planner.step_seconds + planner.recompute_seconds(
-                solution.segments, solution.kept or ()
-            )
-            row = dataclasses.replace(
-                row,
-                predicted_step_seconds=step,
-                samples_per_second=size / step if step > 0 else None,
-            )
         self.full[size] = planned
-        self.candidates[size] = row
+        self.rows[size] = self._row(planned)
         return planned
+
+    def _row(self, planned: _Planned) -> BatchCandidate:
+        """The candidate of a size planned in full: where it fits, the plan at the budget's
+        predicted step and the samples per second that gives."""
+        planner, size = planned.ready, planned.size
+        row = BatchCandidate(
+            size,
+            planned.minimum,
+            planned.minimum <= self.budget,
+            shapes_minimum_bytes=self.shapes[size].minimum,
+            probe_peak_bytes=planner.planning_peak_bytes,
+        )
+        if not row.fits:
+            return row
+        solution = planner.solve(
+            self.budget,
+            solver=self.solver,
+            time_limit_s=self.time_limit_s,
+            selective=self.selective,
+        )
+        step = planner.step_seconds + planner.recompute_seconds(
+            solution.segments, solution.kept or ()
+        )
+        return dataclasses.replace(
+            row, predicted_step_seconds=step, samples_per_second=size / step if step > 0 else None
+        )
+
+    def _held(self, size: int) -> str | None:
+        """Why ``size`` may not be planned in full (None: it may): its predicted leanest
+        peak, workspaces scaled, is over the budget (NOTE [fit: one probe, scaled])."""
+        predicted = self.predicted(size)
+        if predicted > self.budget:
+            return f"predicted {predicted} bytes, over the budget"
+        return None
+
+    # -- predictions --------------------------------------------------------------------------
+
+    def predicted(self, size: int) -> int:
+        """The leanest plan's peak at ``size`` (planned from shapes alone first): exact where
+        planned in full, else its shapes plus the workspaces scaled to it (NOTE [fit: one
+        probe, scaled]); above every budget where refused or held back."""
+        done = self.full.get(size)
+        if done is not None:
+            return done.minimum
+        return self._estimate(size)
+
+    def _estimate(self, size: int) -> int:
+        """Its shapes plus the workspaces of the sizes planned in full, scaled to ``size``."""
+        shapes = self.plan(size, full=False)
+        if shapes.planner is None:
+            return _REFUSED
+        known = {
+            n: max(0, p.minimum - self.shapes[n].minimum)
+            for n, p in self.full.items()
+            if p.planner is not None
+        }
+        return shapes.minimum + _scaled(known, size, 0)
+
+    def candidates(self) -> tuple[BatchCandidate, ...]:
+        """Every size planned, by size: those planned in full as they were, the others by
+        their final prediction (``estimated``); sizes refused are left out."""
+        rows = dict(self.rows)
+        for n, shapes in self.shapes.items():
+            if n in rows or shapes.planner is None or n in self.refused:
+                continue
+            predicted = self._estimate(n)
+            rows[n] = BatchCandidate(
+                n,
+                predicted,
+                predicted <= self.budget and n not in self.full,
+                estimated=True,
+                shapes_minimum_bytes=shapes.minimum,
+            )
+        return tuple(rows[n] for n in sorted(rows))
+
+    # -- refusals -------------------------------------------------------------------------------
 
     def _refusal(self, size: int, error: Exception) -> str | None:
         """What the model said refusing ``size`` (its error's type and first line), or None
@@ -396,8 +553,24 @@ class _Sizes:
         refused = _Planned(size, None, self.inputs[size], refused=said)
         self.refused[size] = said
         self.shapes[size] = self.full[size] = refused
-        self.candidates.pop(size, None)
+        self.rows.pop(size, None)
         return refused
+
+    def probe_note(self) -> list[str]:
+        """The answer's note on sizes whose probe peaked above the budget (none: no note)."""
+        over = {
+            n: c.probe_peak_bytes
+            for n, c in self.rows.items()
+            if (c.probe_peak_bytes or 0) > self.budget
+        }
+        if not over:
+            return []
+        listed = ", ".join(f"{n} ({peak} bytes)" for n, peak in sorted(over.items()))
+        return [
+            f"planning in full peaked above the budget at size(s) {listed}: the probe, which "
+            "runs each node alone on copies of its inputs while the graph's values stay "
+            "alive, needed more than the leanest plan predicted at that size"
+        ]
 
     def refused_note(self) -> list[str]:
         """The answer's note on the sizes the model refused (none: no note)."""
@@ -410,150 +583,145 @@ class _Sizes:
             "max_batch_size keeps the search below them"
         ]
 
-    def full_below(self, size: int) -> _Planned:
-        """The largest size below ``size`` planned in full that the model takes."""
-        below = self.plan(size - self.multiple_of, full=True)
-        while below.refused is not None:  # the smallest refused raises BatchSizeError
-            below = self.plan(below.size - self.multiple_of, full=True)
-        return below
-
     def _limit(self, refused: int) -> None:
         """NOTE [fit: refused sizes]: ``refused`` was refused by the probe (an index past a
         table, which fake tensors do not check) where shapes alone took it, so shapes alone
         cannot find the model's limit: it is bisected planning in full, between the largest
-        size taken in full (or ``multiple_of``) and ``refused``, all sizes whose shapes fit
-        the budget. From the smallest refused up, every size is then taken as refused."""
+        size taken in full and ``refused``, all sizes predicted to fit the budget. From the
+        smallest refused up, every size is then taken as refused."""
         m = self.multiple_of
-        took = [n for n, p in self.full.items() if p.refused is None and n < refused]
-        low = max(took) if took else self.plan(m, full=True).size  # m refused: BatchSizeError
+        low = max(n for n, p in self.full.items() if p.planner is not None and n < refused)
         high = refused
         while high - low > m:
             middle = _between(low, high, m)
-            if self.plan(middle, full=True).refused is None:
+            if self.plan(middle, full=True).planner is not None:
                 low = middle
             else:
                 high = middle
+        if high not in self.refused:  # held back by its prediction: not the model's limit
+            return
         self.limit = high
         for n, planned in list(self.shapes.items()):
             if n >= high and planned.refused is None:
                 self.shapes[n] = _Planned(n, None, None, f"above {high}, which the model refused")
-                self.candidates.pop(n, None)
+                self.rows.pop(n, None)
+
+    # -- the search -----------------------------------------------------------------------------
 
     def largest(self) -> _Planned:
-        """The largest size that fits (module docstring); raises InfeasibleBudgetError when
-        even ``multiple_of`` does not.
+        """The largest size that fits (NOTE [fit: one probe, scaled]); raises
+        InfeasibleBudgetError when even ``multiple_of`` does not.
 
-        Sizes are bracketed from shapes alone, where no node runs (workspaces only add to a
-        plan's peak, so a size whose shapes already put its leanest plan over the budget does
-        not fit); the answer is then planned in full, and while its workspaces put it over,
-        the bracket is searched again under the budget less what they added."""
+        The smallest size from shapes alone, then in full; then, until the bracket settles
+        on a size planned in full: the bracket from shapes alone under the corrected
+        predictions, and its answer planned in full (which corrects them)."""
         m = self.multiple_of
-        budget = self.budget
-        for _ in range(_MAX_PLANS):
-            size = self._bracket(budget)
-            if size == 0:
-                break
-            answer = self.plan(size, full=True)
-            if answer.refused is not None:  # by the probe, where shapes alone took it
-                self._limit(size)
-                continue
-            if answer.minimum <= self.budget:
-                return self._above(answer)
-            extra = answer.minimum - self.shapes[size].minimum  # what the probe added
-            budget = min(budget, self.budget - extra) - 1
+        first = self.plan(m, full=False)
+        if first.minimum > self.budget:  # refused: BatchSizeError already
+            raise self._infeasible(first, floor=True)
         low = self.plan(m, full=True)
-        if low.minimum <= self.budget:
-            return self._above(low)
-        raise InfeasibleBudgetError(
-            self.budget,
-            low.minimum,
-            low.ready.breakdown,
-            "total",
-            f"Even a batch of {m} does not fit: its leanest plan needs the minimum stated. "
+        if low.minimum > self.budget:
+            raise self._infeasible(low, floor=False)
+        for _ in range(_MAX_PLANS):
+            size = self._bracket()
+            done = self.full.get(size)
+            if done is not None and done.planner is not None:
+                return done  # fits, and the size above is predicted not to
+            planned = self.plan(size, full=True)
+            if planned.refused is not None and self.limit is None:
+                self._limit(size)  # by the probe, where shapes alone took it
+        self.notes.append(f"stopped after planning {_MAX_PLANS} sizes in full")
+        fitting = [n for n, p in self.full.items() if p.planner is not None]
+        return self.full[max(n for n in fitting if self.full[n].minimum <= self.budget)]
+
+    def _infeasible(self, planned: _Planned, *, floor: bool) -> InfeasibleBudgetError:
+        """Even ``multiple_of`` does not fit: from shapes alone (a floor, nothing run) or in
+        full (its minimum)."""
+        m = self.multiple_of
+        advice = (
             "Raise the budget, shrink what checkpointing cannot touch (parameters, the "
-            "optimizer's state: a lighter optimizer, sharding), or shorten the sequence.",
+            "optimizer's state: a lighter optimizer, sharding), or shorten the sequence."
+        )
+        if floor:
+            hint = (
+                f"Even a batch of {m} does not fit: from shapes alone its leanest plan needs "
+                "at least the floor stated (kernel workspaces come on top), so nothing was "
+                f"run at it. {advice}"
+            )
+            breakdown = planned.ready.breakdown
+            return InfeasibleBudgetError(
+                self.budget, None, breakdown, "total", hint, floor_bytes=planned.minimum
+            )
+        hint = f"Even a batch of {m} does not fit: its leanest plan needs the minimum stated. "
+        return InfeasibleBudgetError(
+            self.budget, planned.minimum, planned.ready.breakdown, "total", hint + advice
         )
 
-    def _bracket(self, budget: int) -> int:
-        """The largest size whose leanest plan, from shapes alone, fits ``budget`` (0: not
-        even ``multiple_of``): the secant search of the module docstring."""
-        m = self.multiple_of
-        fitting = sorted(n for n, p in self.shapes.items() if p.minimum <= budget)
-        above = sorted(n for n, p in self.shapes.items() if p.minimum > budget)
-        if not fitting:
-            low = self.plan(m, full=False)
-            if low.minimum > budget:
-                return 0
-            fitting = [m]
-        low = self.shapes[fitting[-1]]
-        high = next((self.shapes[n] for n in above if n > low.size), None)
+    def _bracket(self) -> int:
+        """The largest size predicted to fit, the size above it predicted not to (or past
+        ``max_batch_size``): the secant search of the module docstring, from shapes alone."""
+        m, budget = self.multiple_of, self.budget
         for _ in range(_MAX_PLANS):
-            if self.cap is not None and low.size + m > self.cap:
-                self.notes.append(
-                    f"max_batch_size {self.cap} reached while the batch still fits: larger "
-                    "ones were not tried"
-                )
-                return low.size
-            if high is not None and high.size - low.size <= m:
-                return low.size
-            planned = self.plan(self._guess(low, high, budget), full=False)
-            if planned.minimum <= budget:
-                low = planned
-            else:
-                high = planned
-        self.notes.append(f"stopped after planning {_MAX_PLANS} sizes from shapes alone")
-        return low.size
-
-    def _above(self, answer: _Planned) -> _Planned:
-        """``answer``, once the size above it is known not to fit: from shapes alone when
-        they already put it over the budget, else planned in full (and then, should it fit
-        after all, the search goes on up one size at a time)."""
-        m = self.multiple_of
-        for _ in range(_MAX_PLANS):
-            above = answer.size + m
-            if self.cap is not None and above > self.cap:
+            known = {n: self.predicted(n) for n in list(self.shapes)}
+            low = max(n for n, v in known.items() if v <= budget)  # multiple_of fits in full
+            high = min((n for n, v in known.items() if v > budget and n > low), default=None)
+            if self.cap is not None and low + m > self.cap:
                 if not any("max_batch_size" in note for note in self.notes):
                     self.notes.append(
                         f"max_batch_size {self.cap} reached while the batch still fits: "
                         "larger ones were not tried"
                     )
-                return answer
-            if self.plan(above, full=False).minimum > self.budget:
-                return answer
-            planned = self.plan(above, full=True)
-            if planned.minimum > self.budget:
-                return answer
-            answer = planned
-        return answer
+                return low
+            if high is not None and high - low <= m:
+                return low
+            self.plan(self._guess(low, high, known), full=False)
+        self.notes.append(f"stopped after planning {_MAX_PLANS} sizes from shapes alone")
+        return low
 
-    def _guess(self, low: _Planned, high: _Planned | None, budget: int) -> int:
+    def _guess(self, low: int, high: int | None, known: dict[int, int]) -> int:
         """The next size to plan: where a straight line through what is known reaches the
         budget, inside ``(low, high)``, a multiple of ``multiple_of``. The line is the secant
         between the two sizes that bracket the answer (or the two largest that fit); from
         one size alone, the line through the part that does not grow with the size."""
-        m = self.multiple_of
-        below = sorted(n for n, p in self.shapes.items() if n < low.size and p.minimum <= budget)
-        if high is not None and high.refused is None:
-            slope = (high.minimum - low.minimum) / (high.size - low.size)
+        m, budget = self.multiple_of, self.budget
+        below = [n for n in known if n < low and known[n] <= budget]
+        if high is not None and known[high] < _REFUSED:
+            slope = (known[high] - known[low]) / (high - low)
         elif below:
-            other = self.shapes[below[-1]]
-            slope = (low.minimum - other.minimum) / (low.size - other.size)
+            other = max(below)
+            slope = (known[low] - known[other]) / (low - other)
         else:
-            slope = _growth_per_size(low.ready, low.size)
-        estimate = low.size + (budget - low.minimum) / max(slope, 1e-9)
+            slope = self._growth(low)
+        estimate = low + (budget - known[low]) / max(slope, 1e-9)
         guess = m * math.floor(estimate / m)
-        if guess <= low.size:
-            guess = low.size + m  # the neighbour above the best so far
+        if guess <= low:
+            guess = low + m  # the neighbour above the best so far
         if high is not None:
-            if high.refused is not None and guess >= high.size:
-                guess = _between(low.size, high.size, m)  # the model's limit, not the budget's
-            guess = min(guess, high.size - m)
+            if known[high] >= _REFUSED and guess >= high:
+                guess = _between(low, high, m)  # the model's limit, not the budget's
+            guess = min(guess, high - m)
         if self.cap is not None:
             guess = min(guess, m * (self.cap // m))
-        if guess in self.shapes:  # the line repeats itself: halve the interval instead
-            top = high.size if high is not None else 2 * low.size
-            guess = max(low.size + m, m * ((low.size + top) // (2 * m)))
+        if guess in known:  # the line repeats itself: halve the interval instead
+            top = high if high is not None else 2 * low
+            guess = max(low + m, m * ((low + top) // (2 * m)))
         return guess
+
+    def _growth(self, size: int) -> float:
+        """How much the prediction grows per unit of size, from ``size`` alone: planned in
+        full, its own; else its shapes' plus the scaled workspaces per unit."""
+        full = self.full.get(size)
+        if full is not None and full.planner is not None:
+            return _growth_per_size(full.ready, size)
+        shapes = self.shapes[size]
+        return _growth_per_size(shapes.ready, size) + (self.predicted(size) - shapes.minimum) / size
+
+    def full_below(self, size: int) -> _Planned:
+        """The largest size below ``size`` planned in full that the model takes."""
+        below = self.plan(size - self.multiple_of, full=True)
+        while below.planner is None:  # the smallest was planned in full first
+            below = self.plan(below.size - self.multiple_of, full=True)
+        return below
 
     def fastest(self, largest: _Planned) -> _Planned:
         """Among the sizes that fit (the largest, about three quarters and half of it, and
@@ -561,16 +729,32 @@ class _Sizes:
         (sizes are planned in full for it: the probe's measured times)."""
         m = self.multiple_of
         for fraction in (0.75, 0.5):
-            size = max(m, m * round(fraction * largest.size / m))
-            if self.plan(size, full=True).minimum > self.budget:
-                continue  # a size that fits in shapes alone may not in full: skip it
-        fitting = [
-            c
-            for c in self.candidates.values()
-            if c.fits and c.samples_per_second and not c.estimated
-        ]
+            self.plan(max(m, m * round(fraction * largest.size / m)), full=True)
+        fitting = [c for c in self.rows.values() if c.fits and c.samples_per_second]
+        if not fitting:
+            return largest
         best = max(fitting, key=lambda c: (c.samples_per_second, c.size))
         return self.full[best.size]
+
+
+def _scaled(known: dict[int, int], size: int, fixed: int) -> int:
+    """A value at ``size`` from the values ``known`` at other sizes (NOTE [fit: one probe,
+    scaled]): between two known sizes, the line between them; above the largest, ``fixed``
+    plus the rest of its value in proportion to the size; below the smallest, its value.
+    Nothing known: 0."""
+    if not known:
+        return 0
+    if size in known:
+        return known[size]
+    below = max((n for n in known if n < size), default=None)
+    above = min((n for n in known if n > size), default=None)
+    if below is None:
+        assert above is not None
+        return known[above]
+    if above is None:
+        return fixed + math.ceil((known[below] - fixed) * size / below)
+    rise = (known[above] - known[below]) * (size - below) / (above - below)
+    return known[below] + math.ceil(rise)
 
 
 def _between(low: int, high: int, m: int) -> int:

@@ -223,6 +223,15 @@ class Plan:
     measured_step_seconds: float | None = None
     times_estimated: bool = False
     device: str = "cpu"
+    target: str | None = None
+    """The device the plan is for when planned elsewhere (a name of ``autockpt.TARGETS``:
+    its kernels, roofline times and memory; NOTE [target: planning for another device]);
+    None: the device planned on (``device``). Plans written before the field load None."""
+    time_model: str | None = None
+    """What the plan's seconds (and its ranking of segments) come from: ``"measured"``
+    (the probe's node seconds), ``"roofline:<target>"`` (the target's datasheet rates) or
+    ``"roofline:nominal"`` (nominal rates: the meta device without a target). None in plans
+    written before the field."""
     notes: tuple[str, ...] = ()
     world_size: int = 1
     sharding: str | None = None
@@ -395,6 +404,21 @@ class Plan:
                     if self.rank_memory
                     else ""
                 )
+            )
+        if self.rank_memory is not None:
+            held = self.rank_memory
+            lines.append(
+                f"  a rank holds: parameters {format_bytes(held.parameters)}, gradients "
+                f"{format_bytes(held.gradients)}, optimizer state "
+                f"{format_bytes(held.optimizer_state)}, gathered units "
+                f"{format_bytes(held.gathered_parameters)}, reduce-scatter "
+                f"{format_bytes(held.reduce_scatter)}, buckets {format_bytes(held.buckets)}"
+            )
+        if self.target is not None:
+            lines.append(
+                f"fits on {self.target}: predicted peak {format_bytes(self.predicted_peak_bytes)}"
+                f" within {format_bytes(self.budget_bytes)}; predicted step "
+                f"{self.predicted_step_seconds:.3g} s ({self.time_model})"
             )
         for seg in self.segments:
             lines.append(

@@ -18,6 +18,14 @@ batch (the allocator's count, from steady state). Then, in one process:
   by side (interleaved rounds, the process's CPU time on a CPU; each round times one
   iteration of every answer, starting at a rotating position).
 
+Then one VGG-like stack of 3x3 convolutions (VGG19's layers at a quarter of its widths in
+``--quick``, half otherwise, on small images, ``torch.optim.SGD``), where ``fit_batch`` is
+timed against bisection with real steps, both in the same run: ``autockpt.optimize`` at
+doubling sizes, then halving the interval, a size fitting when its verified plan (a real
+step measured within the budget) comes back (what a user finds by trial and error; the
+answer is the same by construction). Its row also says the highest allocator peak any real
+run of ``fit_batch`` reached (its probes and its verifying step) against the budget.
+
 Writes ``fit.json``, ``fit.csv``, ``fit.md`` (the table docs/benchmarks.md and the README
 show) and ``fit.png`` (largest batch and samples per second per method and model).
 """
@@ -182,6 +190,135 @@ def run_model(spec: Model, rounds: int) -> dict[str, Any]:
 
 METHODS = ("none", "per_block", "largest", "throughput")
 
+VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M")
+VGG19 += (512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
+
+
+def vgg_like(divide: int, classes: int = 100) -> nn.Module:
+    """VGG19's convolutions and pools with every width divided by ``divide``, then a pooled
+    linear head: a VGG-like stack built by hand (no torchvision)."""
+    layers: list[nn.Module] = []
+    channels = 3
+    for width in VGG19:
+        if width == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(channels, width // divide, 3, padding=1), nn.ReLU(inplace=True)]
+            channels = width // divide
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes)]
+    return nn.Sequential(*layers, *head).train()
+
+
+def _classes_loss(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    targets = torch.arange(n) % 100
+    return lambda logits: torch.nn.functional.cross_entropy(logits, targets)
+
+
+def run_bisection(quick: bool) -> dict[str, Any]:
+    """The VGG-like row: ``fit_batch`` against bisection with real steps (module docstring)."""
+    from autockpt.costs import probe
+
+    divide, side, reference = (4, 32, 4) if quick else (2, 64, 4)
+    torch.manual_seed(0)
+    model = vgg_like(divide)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def images(n: int) -> torch.Tensor:
+        torch.manual_seed(n)
+        return torch.randn(n, 3, side, side)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        budget = autockpt.measure(
+            model,
+            images(reference),
+            optimizer=optimizer,
+            loss_fn=_classes_loss(reference),
+            repeat=0,
+        ).peak_bytes
+    row: dict[str, Any] = {
+        "model": "vgg_like",
+        "kind": "bisection",
+        "description": f"VGG19's layers, widths / {divide}, {side}x{side} images, SGD",
+        "reference_batch": reference,
+        "budget_bytes": budget,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    probes: list[int] = []
+    original = probe._probe
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        probes.append(result.peak_bytes)
+        return result
+
+    probe._probe = recorded
+    try:
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit = autockpt.fit_batch(
+                model, images, budget_gb=budget / GIB, optimizer=optimizer, make_loss=_classes_loss
+            )
+        row["fit_batch_seconds"] = time.perf_counter() - started
+    finally:
+        probe._probe = original
+    row["fit_batch_batch"] = fit.batch_size
+    row["fit_batch_sizes_planned_in_full"] = sum(not c.estimated for c in fit.candidates)
+    row["fit_batch_sizes_from_shapes"] = sum(c.estimated for c in fit.candidates)
+    row["fit_batch_measured_peak_bytes"] = fit.plan.measured_peak_bytes
+    row["fit_batch_max_probe_peak_bytes"] = max(probes)
+    row["fit_batch_max_real_peak_bytes"] = max(*probes, fit.plan.measured_peak_bytes or 0)
+    row["fit_batch_max_real_peak_over_budget"] = row["fit_batch_max_real_peak_bytes"] / budget
+
+    def optimized_peak(n: int) -> int:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = autockpt.optimize(
+                    model,
+                    images(n),
+                    budget_gb=budget / GIB,
+                    optimizer=optimizer,
+                    loss_fn=_classes_loss(n),
+                    cache=False,
+                )
+        except autockpt.InfeasibleBudgetError:
+            return budget + 1
+        return result.plan.measured_peak_bytes
+
+    started = time.perf_counter()
+    size, trials = largest_by_measuring(optimized_peak, budget, reference)
+    row["bisection_seconds"] = time.perf_counter() - started
+    row["bisection_batch"] = size
+    row["bisection_optimize_calls"] = trials
+    row["optimize_seconds_at_answer"] = row["bisection_seconds"]  # replaced just below
+    started = time.perf_counter()
+    optimized_peak(fit.batch_size)
+    row["optimize_seconds_at_answer"] = time.perf_counter() - started
+    row["fit_over_bisection"] = row["fit_batch_seconds"] / row["bisection_seconds"]
+    row["fit_over_optimize"] = row["fit_batch_seconds"] / row["optimize_seconds_at_answer"]
+    return row
+
+
+def _bisection_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | budget | fit_batch: batch, seconds, sizes in full / from shapes | "
+        "bisection with real steps: batch, seconds, optimize calls | fit / bisection | "
+        "fit / one optimize | highest real peak / budget |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['budget_bytes'] / MIB:.1f} MiB | {r['fit_batch_batch']}, "
+            f"{r['fit_batch_seconds']:.1f} s, {r['fit_batch_sizes_planned_in_full']} / "
+            f"{r['fit_batch_sizes_from_shapes']} | {r['bisection_batch']}, "
+            f"{r['bisection_seconds']:.1f} s, {r['bisection_optimize_calls']} | "
+            f"{r['fit_over_bisection']:.2f}x | {r['fit_over_optimize']:.2f}x | "
+            f"{r['fit_batch_max_real_peak_over_budget']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
 
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
@@ -191,6 +328,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['model']} | | error: {row['error'][:80]} | | | | |")
+            continue
+        if row.get("kind") == "bisection":
             continue
         for method in METHODS:
             lines.append(
@@ -206,7 +345,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        if "error" in row:
+        if "error" in row or row.get("kind") == "bisection":
             continue
         lines.append(
             f"| {row['model']} | {row['largest_seconds']:.1f} s, {row['largest_sizes_planned']} "
@@ -214,6 +353,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"{row['throughput_seconds']:.1f} s, {row['throughput_sizes_planned']} | "
             f"{row['none_steps_run']} / {row['per_block_steps_run']} |"
         )
+    bisection = [r for r in rows if r.get("kind") == "bisection" and "error" not in r]
+    if bisection:
+        lines += ["", _bisection_table(bisection).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -225,7 +367,7 @@ def _figure(rows: list[dict[str, Any]], path: Path) -> None:
     from autockpt.report import _figure as figure
     from autockpt.report import save_figure
 
-    good = [r for r in rows if "error" not in r]
+    good = [r for r in rows if "error" not in r and r.get("kind") != "bisection"]
     if not good:
         return
     fig = figure(4 + 2 * len(good), 6)
@@ -262,6 +404,19 @@ def run(quick: bool, out: Path, models: tuple[str, ...] | None = None) -> list[d
             row = run_model(spec, rounds)
         except Exception as error:  # noqa: BLE001 - a failing model gets a row with its error
             row = {"model": spec.name, "error": f"{type(error).__name__}: {error}"}
+        row["seconds"] = time.perf_counter() - started
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if "description" not in k}), flush=True)
+    if models is None or "vgg_like" in models:
+        started = time.perf_counter()
+        try:
+            row = run_bisection(quick)
+        except Exception as error:  # noqa: BLE001 - a failing model gets a row with its error
+            row = {
+                "model": "vgg_like",
+                "kind": "bisection",
+                "error": f"{type(error).__name__}: {error}",
+            }
         row["seconds"] = time.perf_counter() - started
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if "description" not in k}), flush=True)

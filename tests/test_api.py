@@ -403,20 +403,22 @@ def test_the_cache_is_bounded_and_keeps_no_model_alive():
 
 
 def test_a_budget_below_the_static_part_is_refused_before_profiling(monkeypatch):
-    """12 MiB of parameters against a 1 MiB budget: refused right after capture, with
-    where the memory goes, and the profile never ran."""
+    """12 MiB of parameters against a budget 1 MiB above them: refused right after capture
+    (below parameters, gradients and AdamW's state), with where the memory goes, and the
+    profile never ran."""
     calls = _spy_on_profiling(monkeypatch)
     model, x = _mlp(width=512, depth=12), torch.randn(8, 512)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert params > 12 * 2**20
     optimizer = torch.optim.AdamW(model.parameters())
     started = time.perf_counter()
+    budget = params + x.nbytes + 2**20
     with pytest.raises(autockpt.InfeasibleBudgetError, match="before profiling") as refused:
-        autockpt.optimize(model, x, budget_gb=1 / 1024, optimizer=optimizer)
+        autockpt.optimize(model, x, budget_gb=budget / GIB, optimizer=optimizer)
     assert time.perf_counter() - started < 10
     assert calls == []
     error = refused.value
-    assert error.lower_bound and error.budget_bytes == 2**20
+    assert error.lower_bound and error.budget_bytes == budget
     assert error.breakdown["parameters"] == error.breakdown["gradients"] == params
     assert error.breakdown["optimizer state"] >= 2 * params  # AdamW's two moments
     # a floor, named so and said as "at least"; no minimum (it needs the profile)
@@ -426,6 +428,24 @@ def test_a_budget_below_the_static_part_is_refused_before_profiling(monkeypatch)
     assert f"at least {gib_up(error.floor_bytes)} GiB" in str(error)
     assert "minimum_peak_bytes" in str(error) and "autockpt frontier" in str(error)
     assert not optimizer.state  # the user's optimizer was never stepped
+
+
+def test_a_budget_below_the_parameters_is_refused_before_capture(monkeypatch):
+    """Below the parameters, buffers and inputs alone (an 8B model for one small GPU), the
+    refusal comes before capture, which on a large export graph takes minutes; its floor is
+    those three, said as "at least"."""
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured a model that cannot fit")
+
+    monkeypatch.setattr("autockpt.planning.routes.capture", no_capture)
+    model, x = _mlp(width=512, depth=12), torch.randn(8, 512)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(autockpt.InfeasibleBudgetError, match="at least") as refused:
+        autockpt.optimize(model, x, budget_gb=1 / 1024)
+    error = refused.value
+    assert error.breakdown == {"parameters": params, "buffers": 0, "inputs": x.nbytes}
+    assert error.floor_bytes == params + x.nbytes and error.minimum_bytes is None
 
 
 def test_planning_reports_its_phases_through_logging_and_progress(caplog):

@@ -577,8 +577,8 @@ def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method):
         example, meta_example = (idx, targets), (idx.to("meta"), targets.to("meta"))
     else:
         transformers = pytest.importorskip("transformers")
-        # eager attention: an export graph of scaled_dot_product_attention is the device's
-        # own kernel's (docs/design.md, "Plans move between devices")
+        # scaled-dot-product attention: a meta model is traced as the device it runs on, so
+        # its export graph is the CPU's (NOTE [capture: meta traced as a device])
         config = transformers.LlamaConfig(
             hidden_size=64,
             num_hidden_layers=2,
@@ -587,7 +587,7 @@ def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method):
             intermediate_size=128,
             vocab_size=256,
             use_cache=False,
-            attn_implementation="eager",
+            attn_implementation="sdpa",
             bos_token_id=0,
             eos_token_id=0,
             pad_token_id=0,

@@ -74,15 +74,20 @@ def test_max_batch_size_bounds_the_search_and_says_so():
     assert any("max_batch_size 3 reached" in note for note in fit.notes)
 
 
-def test_a_budget_below_the_smallest_size_states_its_minimum():
+def test_a_budget_below_the_smallest_size_states_its_floor_and_runs_nothing():
+    """Shapes alone put even the smallest size over the budget: its leanest peak from
+    shapes is stated as a floor (every plan lies above it), and nothing ran at it."""
     model = _model()
     with pytest.raises(InfeasibleBudgetError, match="Even a batch of 1") as error:
         autockpt.fit_batch(model, make_inputs, budget_gb=2**16 / GIB)
+    shapes = quiet_planner(model, make_inputs(1), probe=False)
+    assert error.value.minimum_bytes is None
+    assert error.value.floor_bytes == shapes.minimum_peak_bytes
     planner = quiet_planner(model, make_inputs(1))
-    assert error.value.minimum_bytes == planner.minimum_peak_bytes
-    # the minimum stated is a budget that succeeds: the smallest size, verified
-    fit = autockpt.fit_batch(model, make_inputs, budget_gb=error.value.minimum_gb)
-    assert fit.batch_size == 1 and fit.plan.budget_bytes == error.value.minimum_bytes
+    assert error.value.floor_bytes <= planner.minimum_peak_bytes
+    # the smallest size's minimum is a budget that succeeds: the smallest size, verified
+    fit = autockpt.fit_batch(model, make_inputs, budget_gb=planner.minimum_peak_bytes / GIB)
+    assert fit.batch_size == 1 and fit.plan.budget_bytes == planner.minimum_peak_bytes
     assert fit.plan.measured_peak_bytes <= fit.plan.budget_bytes
 
 

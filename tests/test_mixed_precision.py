@@ -430,3 +430,88 @@ def test_hugging_face_llama_planned_in_float32_trains_under_bf16_autocast():
     _export_plan_trained_under_autocast(
         model, inputs, lambda **kw: autockpt.optimize(model, inputs, **kw)
     )
+
+
+# -- one plan per precision, switched between (NOTE [rewrite: precision change]) -------------
+
+
+def _quiet(step: Any) -> tuple[Any, list[str]]:
+    """``step()`` and the precision warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = step()
+    return result, [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+
+
+def test_a_model_trained_in_two_precisions_plans_once_per_precision():
+    """float32 and bfloat16 autocast calls alternating (the report: a ViT re-planned on
+    every switch, 8-41 s each): the first autocast call plans again, once; every later call
+    switches to the plan kept for its precision (the same Plan objects, no warning, no
+    planning), and each step equals eager's in its precision."""
+    model, x = _mlp()
+    planner = Planner(model, x)
+    fast = planner.optimize(budget_gb=budget_gb_between(planner, 0.3))
+    planned = fast.plan
+    reference = copy.deepcopy(model)
+    with autocast():
+        expected_bf16 = train_step(reference, x)
+    expected_fp32 = train_step(reference, x)
+    replans = 0
+    state = vars(fast)["_autockpt"]
+    replan = state.replan
+
+    def counting(*args: Any) -> nn.Module:
+        nonlocal replans
+        replans += 1
+        return replan(*args)
+
+    state.replan = counting
+    with autocast():
+        got = _replans(fast, lambda: train_step(fast, x))
+    assert_same_step(expected_bf16, got)
+    bf16_plan = fast.plan
+    assert bf16_plan is not planned and replans == 1
+    for _ in range(2):
+        got, said = _quiet(lambda: train_step(fast, x))
+        assert not said and fast.plan is planned
+        assert_same_step(expected_fp32, got)
+        with autocast():
+            got, said = _quiet(lambda: train_step(fast, x))
+        assert not said and fast.plan is bf16_plan
+        assert_same_step(expected_bf16, got)
+    assert replans == 1
+    # a copy keeps the plan it runs, and plans again for the other precision
+    copied = copy.deepcopy(fast)
+    assert copied.plan is bf16_plan
+    assert not vars(copied)["_autockpt"].by_precision
+
+
+@pytest.mark.slow
+def test_a_compiled_call_in_a_planned_precision_runs_that_plan(fresh_dynamo):
+    """After one bfloat16 autocast call (which planned the export graph again for it), a
+    compiled call in float32, the precision the model was planned in, raised
+    PlanMismatchError (the result ran the bfloat16 plan). Now it switches to the float32
+    plan inside the trace, and compiled calls in either planned precision equal eager's."""
+    model, x = _export_model()
+    with autocast():
+        budget = budget_gb_between(Planner(model, x), 0.5)
+    fast = Planner(model, x).optimize(budget_gb=budget)
+    planned = fast.plan
+    assert planned.capture_method == "export"
+    reference = copy.deepcopy(model)
+    with autocast():
+        expected_bf16 = train_step(reference, x)
+        _replans(fast, lambda: train_step(fast, x))
+    bf16_plan = fast.plan
+    expected_fp32 = train_step(reference, x)
+    compiled = torch.compile(fast, backend="aot_eager")
+    got, said = _quiet(lambda: _compiled_step(compiled, x))
+    assert not said and fast.plan is planned
+    assert_same_step(expected_fp32, got)
+    with autocast():
+        got, said = _quiet(lambda: _compiled_step(compiled, x))
+    assert not said and fast.plan is bf16_plan
+    # bfloat16 compiled against eager: the same operators, rounded in another order
+    torch.testing.assert_close(got["loss"], expected_bf16["loss"], rtol=2e-2, atol=1e-2)
+    for name, grad in expected_bf16["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=5e-2, atol=2e-2, msg=name)

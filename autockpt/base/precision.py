@@ -54,7 +54,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autockpt.errors import PlanMismatchError, PrecisionWarning
+from autockpt.base.autocast_lists import CudaAutocastOnCpu
+from autockpt.errors import PlanMismatchError, PrecisionError, PrecisionWarning
 
 __all__ = [
     "AutocastCasts",
@@ -64,6 +65,7 @@ __all__ = [
     "empty_autocast_cache",
     "precision_problem",
     "fresh_autocast_cache",
+    "requested_precision",
 ]
 
 AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -136,6 +138,12 @@ class Precision:
         state it planned in."""
         with contextlib.ExitStack() as stack:
             planned = dict(self.autocast)
+            if "cuda" in planned and not torch.cuda.is_available():
+                # planned for a GPU from a machine without one: its autocast on the CPU
+                # (NOTE [precision: a GPU's autocast on the CPU])
+                dtype = getattr(torch, planned.pop("cuda"))
+                planned.setdefault("cpu", _name(dtype))
+                stack.enter_context(CudaAutocastOnCpu(dtype))
             for device in AUTOCAST_DEVICES:
                 if device in planned:
                     stack.enter_context(
@@ -148,6 +156,48 @@ class Precision:
                 elif _enabled(device):
                     stack.enter_context(torch.autocast(device, enabled=False))
             yield
+
+
+PRECISIONS: dict[str, tuple[str, torch.dtype]] = {
+    "32-true": ("true", torch.float32),
+    "fp32": ("true", torch.float32),
+    "bf16-true": ("true", torch.bfloat16),
+    "16-true": ("true", torch.float16),
+    "bf16-mixed": ("mixed", torch.bfloat16),
+    "bf16": ("mixed", torch.bfloat16),
+    "16-mixed": ("mixed", torch.float16),
+    "fp16": ("mixed", torch.float16),
+}
+"""The precisions planning takes by name (Lightning's names, and short forms): ``-mixed``
+is autocast at that dtype over the model's parameters, ``-true`` parameters of that dtype
+without autocast."""
+
+
+def requested_precision(
+    precision: Precision | str | None, model: nn.Module, run_device_type: str
+) -> Precision | None:
+    """The precision a caller asks to plan for (``None``: the one in effect around the call,
+    read when planning begins). ``"bf16-mixed"`` is autocast on ``run_device_type`` (the
+    target's, on a meta model) over the model's parameter dtypes; ``"bf16-true"`` checks
+    that the parameters are bfloat16 (convert the model first: free on the meta device)."""
+    if precision is None or isinstance(precision, Precision):
+        return precision
+    if not isinstance(precision, str) or precision.lower() not in PRECISIONS:
+        raise PrecisionError(
+            f"precision must be one of {', '.join(PRECISIONS)} (or None: the autocast context "
+            f"around the call), got {precision!r}"
+        )
+    kind, dtype = PRECISIONS[precision.lower()]
+    now = Precision.now(model)
+    if kind == "mixed":
+        return Precision(now.parameters, ((run_device_type, _name(dtype)),), True)
+    if now.parameters and now.parameters != (_name(dtype),):
+        raise PrecisionError(
+            f"precision={precision!r} plans {_name(dtype)} parameters and the model's are "
+            f"{'/'.join(now.parameters)}: convert it first (model.to(torch.{_name(dtype)}); free "
+            "on the meta device), or plan mixed precision (precision='bf16-mixed')"
+        )
+    return Precision(now.parameters, (), True)
 
 
 def autocast_state() -> tuple[tuple[str, str], ...]:

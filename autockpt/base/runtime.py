@@ -364,6 +364,32 @@ def now(device: torch.device | None) -> float:
     return time.perf_counter()
 
 
+# NOTE [runtime: meta runs as a device]. A model built on the meta device has shapes and no
+# device, and torch picks kernels by device: on meta, ``scaled_dot_product_attention`` runs
+# the math path (seq x seq scores and softmax saved, in float32 even for bfloat16 inputs)
+# and autocast casts nothing (no autocast dispatch key exists for meta). The step the user
+# launches runs on a GPU, with fused attention (flash / memory-efficient: the output and a
+# log-sum-exp saved) and autocast's casts. So a meta tensor's fake twin is a fake tensor of
+# ``META_RUNS_AS`` (the CPU): CPU's kernel choice is fused attention, as a GPU's is for the
+# targets autockpt knows (autockpt/base/target.py: the same saved tensors, to the
+# log-sum-exp's padding), and CPU autocast casts fake tensors (autockpt/base/precision.py
+# enters it for a GPU's autocast on a machine without one). A fake CUDA tensor is not used:
+# its backward needs a CUDA context (the autograd engine's device threads), which a machine
+# without a GPU does not have.
+META_RUNS_AS = torch.device("cpu")
+"""The device a meta tensor's fake twin reports (NOTE [runtime: meta runs as a device])."""
+
+_META_AS_DEVICE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "autockpt_meta_as_device", default=False
+)
+
+
+def meta_runs_as_device() -> bool:
+    """Whether the running fake step is a meta model's, on fake :data:`META_RUNS_AS`
+    tensors: a graph traced on meta then makes its new tensors there too."""
+    return _META_AS_DEVICE.get()
+
+
 @contextmanager
 def fake_step(
     model: nn.Module, inputs: Inputs, twins: dict[int, torch.Tensor] | None = None
@@ -375,7 +401,8 @@ def fake_step(
     kept: one twin per tensor object) and the yielded inputs are fake; on exit the real
     tensors are back and untouched (a fake step's gradients land on the twins). Tensors the
     graph holds itself (constants an export capture lifted) are converted when first used.
-    On the meta device there is nothing to fake: the model and inputs are yielded as given.
+    Meta tensors get fake twins of the planning device (NOTE [runtime: meta runs as a
+    device]).
     ``twins``, when given, is filled with each real tensor's twin, by ``id`` of the real one
     (what an optimizer's stand-in steps: autockpt/base/optimizer.py). Inside a
     :func:`parameters_written` block, either way, the parameters the forward writes in
@@ -386,22 +413,20 @@ def fake_step(
     from torch.nn.utils.stateless import _reparametrize_module
 
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    if device_of(model, inputs).type == "meta":
-        writes = _watch(parameters)
-        try:
-            with writes or contextlib.nullcontext():
-                yield inputs
-        finally:
-            _tell(writes, parameters)
-        return
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     twins = {} if twins is None else twins
 
     def twin(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in twins:
             # a tensor without dense values gets a dense stand-in of its shape: what the
-            # step's bookkeeping reads of it (NOTE [runtime: unusual state])
-            fake = _stand_in(mode, t) if is_unusual(t) else mode.from_tensor(t)
+            # step's bookkeeping reads of it (NOTE [runtime: unusual state]); a meta one runs
+            # as the planning device's (NOTE [runtime: meta runs as a device])
+            if is_unusual(t):
+                fake = _stand_in(mode, t)
+            elif t.device.type == "meta":
+                fake = mode.fake_tensor_converter.from_meta_and_device(mode, t, META_RUNS_AS)
+            else:
+                fake = mode.from_tensor(t)
             if t.requires_grad and not fake.requires_grad:
                 fake.requires_grad_(True)
             twins[id(t)] = fake
@@ -415,6 +440,8 @@ def fake_step(
     )
     grads = {name: p.grad for name, p in model.named_parameters()}
     writes = _watch({name: state[name] for name in parameters})
+    on_meta = device_of(model, inputs).type == "meta"
+    token = _META_AS_DEVICE.set(on_meta or _META_AS_DEVICE.get())
     try:
         with (
             _reparametrize_module(model, state),
@@ -424,6 +451,7 @@ def fake_step(
         ):
             yield fake_inputs
     finally:
+        _META_AS_DEVICE.reset(token)
         for name, p in model.named_parameters():  # a stray fake gradient never survives
             p.grad = grads.get(name)
         _tell(writes, parameters)  # outside the fake mode: listeners copy real values
@@ -648,7 +676,8 @@ def _stand_in(mode: Any, t: torch.Tensor) -> torch.Tensor:
     if t.is_quantized:
         dtype = {torch.quint8: torch.uint8, torch.qint8: torch.int8}.get(dtype, torch.int32)
     with mode:
-        return torch.empty_strided(tuple(t.shape), (0,) * t.dim(), dtype=dtype, device=t.device)
+        device = META_RUNS_AS if t.device.type == "meta" else t.device
+        return torch.empty_strided(tuple(t.shape), (0,) * t.dim(), dtype=dtype, device=device)
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -28,6 +28,8 @@ from autockpt.base.inputs import Inputs
 from autockpt.base.rng import rng_as_found
 from autockpt.base.runtime import caches_as_found
 from autockpt.capture.captured import Capture
+from autockpt.capture.on_device import on_meta_again, traced_as_device
+from autockpt.capture.outline import outline_calls
 from autockpt.capture.watch import (
     _CHECKPOINT_WARNING,
     _GENERATOR_NAMES,
@@ -51,16 +53,21 @@ def _capture_export(
     inputs: Inputs,
     notes: list[str],
     fx_failure: tuple[str, BaseException] | str | None,
+    module_calls: tuple[str, ...] = (),
 ) -> Capture:
     """Capture ``model`` called with ``inputs`` by ``torch.export`` (non-strict), after fx
     failed with ``fx_failure`` (the module and its error, or a reason): the graph with export's
     guards taken out and run by the input check instead, and ``notes`` extended with what the
-    capture changed or could not keep."""
+    capture changed or could not keep. The submodules ``module_calls`` name stay module
+    calls where they can (NOTE [capture: module calls]): the capture's ``leaf_modules`` are
+    those that do, and a note says why each other one does not."""
     dropped: list[str] = []
-    exported, watch, seen = _export_watched(model, inputs, dropped, fx_failure)
+    exported, watch, seen = _export_watched(model, inputs, dropped, fx_failure, module_calls)
     dynamic = _dynamic_shapes(model, inputs)
-    exported, dynamic_failure = _export_dynamic(model, inputs, exported, dynamic, dropped)
-    gm = exported.module()
+    exported, dynamic_failure = _export_dynamic(
+        model, inputs, exported, dynamic, dropped, module_calls
+    )
+    gm = on_meta_again(exported.module())
     assigned = _keep_assignments(gm, watch, fx_failure)
     if seen.saw_checkpoint:
         notes.append(_CHECKPOINT_WARNING)
@@ -72,6 +79,11 @@ def _capture_export(
             "use them; turn them off in the model, e.g. use_cache=False, to silence this)"
         )
     guards = _take_out_guards(gm)
+    kept, inlined = outline_calls(gm, exported, model, module_calls)
+    notes.extend(
+        f"'{path}' could not be kept a module call: torch.export inlined it and {reason}"
+        for path, reason in inlined.items()
+    )
     extras = {name: getattr(gm, name) for name in ("_in_spec", "_out_spec") if hasattr(gm, name)}
     layouts = _input_layouts(gm, dict(exported.range_constraints))
     dims = tuple(
@@ -85,7 +97,7 @@ def _capture_export(
         extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature(), layouts)
     notes.append(_how_captured(fx_failure))
     notes.extend(_assignment_and_size_notes(assigned, dynamic, dynamic_failure, dims))
-    return Capture(gm, "export", (), notes, extras, dims)
+    return Capture(gm, "export", kept, notes, extras, dims)
 
 
 def _export_watched(
@@ -93,6 +105,7 @@ def _export_watched(
     inputs: Inputs,
     dropped: list[str],
     fx_failure: tuple[str, BaseException] | str | None,
+    module_calls: tuple[str, ...],
 ) -> tuple[torch.export.ExportedProgram, _Watch, _CheckpointSeen]:
     """The first of export's two runs: with static shapes under the watch (what the model's
     Python does while traced, as on the fx path), refused where the graph does not run what
@@ -108,7 +121,7 @@ def _export_watched(
     watch = _Watch(seen, model=model)
     with rng_as_found() as found, warnings.catch_warnings(), _quiet_torch_logs(), watch:
         warnings.simplefilter("ignore")
-        exported = _export(model, inputs, None, dropped)
+        exported = _export(model, inputs, None, dropped, module_calls)
         moved = found.changed()
     _check_export_kept(model, watch, moved, fx_failure)
     return exported, watch, seen
@@ -120,6 +133,7 @@ def _export_dynamic(
     exported: torch.export.ExportedProgram,
     dynamic: Any | None,
     dropped: list[str],
+    module_calls: tuple[str, ...],
 ) -> tuple[torch.export.ExportedProgram, BaseException | None]:
     """The second of export's two runs (see :func:`_export_watched`), with the batch and
     sequence sizes of ``dynamic`` (:func:`_dynamic_shapes`): its graph, or ``exported`` (the
@@ -130,7 +144,7 @@ def _export_dynamic(
     with rng_as_found(), warnings.catch_warnings(), _quiet_torch_logs():
         warnings.simplefilter("ignore")
         try:
-            sized = _export(model, inputs, dynamic, dropped)
+            sized = _export(model, inputs, dynamic, dropped, module_calls)
         except Exception as error:  # noqa: BLE001 - the static graph stands
             return exported, error
         # Symbolic sizes can turn a size computation into a value read (DeBERTa's relative
@@ -321,12 +335,18 @@ def _forward_replaced(model: nn.Module, forward: Callable[..., Any]) -> Iterator
 
 
 def _export(
-    model: nn.Module, inputs: Inputs, dynamic: Any | None, dropped: list[str]
+    model: nn.Module,
+    inputs: Inputs,
+    dynamic: Any | None,
+    dropped: list[str],
+    module_calls: tuple[str, ...] = (),
 ) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)``, retried once with outputs export cannot
     carry (a key/value cache object a model returns with use_cache on) left out (their
     class names are appended to ``dropped``); anything else fails the same way again, and
-    the first error stands."""
+    the first error stands. The calls of ``module_calls`` keep their signatures (NOTE
+    [capture: module calls]); without any, export is called exactly as before."""
+    preserved = {"preserve_module_call_signature": module_calls} if module_calls else {}
 
     def run() -> torch.export.ExportedProgram:
         # tracing runs the model's code on fake tensors: caches it fills hold fakes
@@ -334,8 +354,16 @@ def _export(
             if dynamic is not None:  # the spec is for the forward as this shows it
                 stack.enter_context(_size_oblivious())
                 stack.enter_context(_keywords_as_parameters(model, inputs))
+            # a meta model is traced as the device it runs on (NOTE [capture: meta traced
+            # as a device])
+            traced = stack.enter_context(traced_as_device(model, inputs))
             return torch.export.export(
-                model, inputs.args, inputs.kwargs, strict=False, dynamic_shapes=dynamic
+                model,
+                traced.args,
+                traced.kwargs,
+                strict=False,
+                dynamic_shapes=dynamic,
+                **preserved,
             )
 
     try:

@@ -7,7 +7,9 @@ Three capture paths are tried in order, each one only when the previous one fail
    (``autockpt/capture/fx.py``).
 2. ``fx+leaves``: when tracing fails inside a submodule, that submodule (the innermost one
    that raised) becomes a leaf and tracing is retried. A leaf is run as an opaque call, so
-   its parameters and buffers stay in place and its memory is still profiled.
+   its parameters and buffers stay in place and its memory is still profiled. An ``assert``
+   in a submodule's code is no reason for a leaf: it is kept as a guard in the graph
+   (``autockpt/capture/guards.py``).
 3. ``export``: when the failure is in the root's own code (nothing to make a leaf), the model
    is captured with ``torch.export.export(strict=False)``, whose training IR keeps dropout,
    batch-norm statistics updates and parameter names (``autockpt/capture/export.py``).
@@ -46,8 +48,13 @@ def capture(
     leaf_modules: Iterable[str] = (),
     method: str | None = None,
     input_names: Iterable[str] | None = None,
+    module_calls: Iterable[str] = (),
 ) -> Capture:
     """Capture ``model``'s forward as an fx graph, falling back as the module docstring says.
+
+    ``module_calls`` name submodules that must stay module calls on every path (FSDP units):
+    fx keeps them as leaves, the export path folds their inlined calls back into one call
+    each where that is exact (NOTE [capture: module calls], autockpt/capture/outline.py).
 
     ``method`` forces one path ("fx" also allows automatic leaves, "export"); ``None`` tries
     them in order. ``input_names`` names the forward parameters that will be passed when
@@ -60,7 +67,7 @@ def capture(
     and the global generators are left as found (:func:`autockpt.base.runtime.as_found`).
     """
     with as_found(model, inputs):
-        return _capture(model, inputs, leaf_modules, method, input_names)
+        return _capture(model, inputs, leaf_modules, method, input_names, tuple(module_calls))
 
 
 def _capture(
@@ -69,8 +76,9 @@ def _capture(
     leaf_modules: Iterable[str],
     method: str | None,
     input_names: Iterable[str] | None,
+    calls: tuple[str, ...],
 ) -> Capture:
-    leaves = set(leaf_modules)
+    leaves = set(leaf_modules) | set(calls)
     _check_leaf_names(model, leaves)
     notes: list[str] = []
     fx_failure: tuple[str, BaseException] | None = None
@@ -78,14 +86,14 @@ def _capture(
         result = _trace_fx_with_leaves(model, inputs, leaves, input_names)
         if isinstance(result, Capture):
             if method is None and _mostly_opaque(model, result, leaves):
-                return _prefer_export(model, inputs, result)
+                return _prefer_export(model, inputs, result, calls)
             return result
         fx_failure = result
         if method is not None:
             raise _trace_error(*fx_failure)
     if method in (None, "export"):
         try:
-            return _capture_export(model, inputs, notes, fx_failure)
+            return _capture_export(model, inputs, notes, fx_failure, calls)
         except TraceError:
             raise
         except Exception as export_error:  # noqa: BLE001 - reported with the fx failure
@@ -115,13 +123,15 @@ def _mostly_opaque(model: nn.Module, captured: Capture, user_leaves: set[str]) -
     return total > 0 and held > _MAX_OPAQUE_SHARE * total
 
 
-def _prefer_export(model: nn.Module, inputs: Inputs, fx_capture: Capture) -> Capture:
+def _prefer_export(
+    model: nn.Module, inputs: Inputs, fx_capture: Capture, calls: tuple[str, ...]
+) -> Capture:
     """Capture with torch.export instead of a mostly-opaque fx graph; keep the fx capture
     when export fails too (e.g. value-dependent control flow inside the leaves)."""
     leaves = ", ".join(fx_capture.leaf_modules)
     try:
         reason = f"fx would run {leaves} as opaque leaves holding most of the parameters"
-        return _capture_export(model, inputs, [], reason)
+        return _capture_export(model, inputs, [], reason, calls)
     except Exception as error:  # noqa: BLE001 - the fx capture still works
         why = error.reason if isinstance(error, TraceError) else type(error).__name__
         fx_capture.warnings.append(

@@ -24,6 +24,7 @@ from torch import nn
 from autockpt.base.inputs import Inputs
 from autockpt.base.rng import RngStates, rng_as_found
 from autockpt.capture.captured import Capture
+from autockpt.capture.guards import assert_guard
 from autockpt.capture.watch import (
     _CHECKPOINT_WARNING,
     _GENERATOR_NAMES,
@@ -45,6 +46,9 @@ class _LeafTracer(fx.Tracer):
 
     Buffers are traced as attributes (``proxy_buffer_attributes``): code that slices a
     buffer by a size read from the input (a causal mask) then traces instead of failing.
+    The condition of an ``assert`` in a submodule's code becomes a ``torch._assert`` guard
+    in the graph (:mod:`autockpt.capture.guards`), so a submodule that checks its input's
+    shape is traced through instead of becoming a leaf.
     """
 
     proxy_buffer_attributes = True
@@ -122,6 +126,14 @@ class _LeafTracer(fx.Tracer):
             if path is not None:
                 self._own_code_ran()
                 self.running.pop()
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        # The condition of an assert in a submodule's code is a guard in the graph, not a
+        # branch (autockpt/capture/guards.py: why not in the root's own code); any other
+        # truth test of a traced value fails as before.
+        if self.running[-1] and assert_guard(self, obj):
+            return True
+        return super().to_bool(obj)
 
     def create_arg(self, a: Any) -> Any:
         # Dataclass outputs (e.g. a ModelOutput) become a node that rebuilds them at run time.

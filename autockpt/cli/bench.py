@@ -37,6 +37,10 @@ BENCHMARKS = {
         "benchmarks.fit",
         "the largest batch under a budget: autockpt's fit_batch against measuring by hand",
     ),
+    "large": (
+        "benchmarks.plan_large",
+        "planning time and memory of Llama 3 1B/8B/70B built on meta, for an H100 (before launch)",
+    ),
     "survey": (
         "benchmarks.survey",
         "every Hugging Face architecture built from a config: "

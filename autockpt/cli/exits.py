@@ -29,11 +29,14 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the parsed command (``args.run``) and return its exit code, an error's included."""
     from autockpt.errors import (
         AutockptError,
+        BudgetError,
         DefaultLossWarning,
         InfeasibleBudgetError,
         PlanFormatError,
         PlanMismatchError,
+        PrecisionError,
         ShardingError,
+        TargetError,
         TraceError,
     )
     from autockpt.report import MissingDependencyError, ReportError
@@ -60,7 +63,7 @@ def run_command(args: argparse.Namespace) -> int:
         return _fail(args, EXIT_TRACE, error)
     except FileNotFoundError as error:
         return _fail(args, EXIT_PLAN, error)
-    except ShardingError as error:
+    except (ShardingError, TargetError, PrecisionError, BudgetError) as error:
         return _fail(args, EXIT_USAGE, error)
     except AutockptError as error:  # any other refusal concerns the model SPEC gave
         return _fail(args, EXIT_SPEC, error)

@@ -1,7 +1,8 @@
 """``autockpt fit SPEC --budget-gb N``: the largest (or fastest) batch that fits a budget.
 
-Sizes are chosen from predictions alone: the factory is called with a batch size and one
-model serves every size. Its options and its handler live together; torch and the planner
+Sizes are chosen from predictions alone: the factory is called with a batch size, one model
+serves every size, and each size is planned with the inputs and the loss (its third item,
+when it returns one) of its own call. Its options and its handler live together; torch and the planner
 load inside :func:`run`, never when the parser is built.
 """
 
@@ -19,6 +20,7 @@ from autockpt.cli.options import (
     _iteration_options,
     _positive_float,
     _positive_int,
+    _target_options,
 )
 from autockpt.cli.output import _default_loss_note, _write
 from autockpt.cli.progress import Progress
@@ -33,15 +35,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     fit.add_argument(
         "spec",
         help="package.module:factory; factory(n) returns (model, example_inputs[, loss_fn]) "
-        "of size n",
+        "of size n (each size planned with its own call's inputs and loss)",
     )
     fit.add_argument(
         "--budget-gb",
         type=_positive_float,
-        required=True,
-        help="peak memory budget of one training iteration, GiB (2**30 bytes)",
+        default=None,
+        help="peak memory budget of one training iteration, GiB (2**30 bytes), per rank when "
+        "sharded; needed unless --target gives the default",
     )
     _iteration_options(fit)
+    _target_options(fit)
+    fit.add_argument(
+        "--world-size", type=_positive_int, default=1, help="ranks; sizes are per rank"
+    )
+    fit.add_argument(
+        "--sharding",
+        choices=("ddp", "fsdp"),
+        default=None,
+        help="distributed engine whose per-rank memory the sizes are judged by",
+    )
     fit.add_argument("--objective", choices=("largest", "throughput"), default="largest")
     fit.add_argument("--multiple-of", type=_positive_int, default=1)
     fit.add_argument("--max-batch-size", type=_positive_int, default=None)
@@ -58,27 +71,47 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.no_plot:  # fail before the expensive part when matplotlib is missing
         require_matplotlib()
-    factory = load_factory(args.spec)
-    # one model for every size (the first call's); each size's inputs from factory(n)
-    model, first_inputs, loss_fn = _call_factory(
-        args.spec, factory, args.multiple_of, loss=args.loss
-    )
+    from autockpt.planning.request import budget_or_default
+
+    budget_gb = budget_or_default(args.budget_gb, args.target)  # refused before any work
+    loaded = load_factory(args.spec)
+    if args.target:  # every size's model and inputs get shapes, never memory
+
+        def factory(n: int) -> Any:
+            import torch
+
+            with torch.device("meta"):
+                return loaded(n)
+    else:
+        factory = loaded
+    # one model for every size (the first call's); each size's inputs, and its loss when the
+    # factory returns one, from the same call factory(n): a loss that holds targets has the
+    # size in it (--loss: one loss for every size)
+    called = {args.multiple_of: _call_factory(args.spec, factory, args.multiple_of, loss=args.loss)}
+    model, _, loss_fn = called[args.multiple_of]
 
     _default_loss_note(args, loss_fn)
 
-    def make_inputs(n: int) -> Any:
-        if n == args.multiple_of:
-            return first_inputs
-        return _call_factory(args.spec, factory, n)[1]
+    def size(n: int) -> tuple[Any, Any, Any]:
+        if n not in called:
+            called.clear()  # keep one size's tensors, not every size's
+            called[n] = _call_factory(args.spec, factory, n, loss=args.loss)
+        return called[n]
 
+    per_size = loss_fn is not None and args.loss is None
     with Progress.for_args(args) as progress:
         result = autockpt.fit_batch(
             model,
-            make_inputs,
-            budget_gb=args.budget_gb,
+            lambda n: size(n)[1],
+            budget_gb=budget_gb,
+            target=args.target,
+            precision=args.precision,
+            world_size=args.world_size,
+            sharding=args.sharding,
             optimizer=_build_optimizer(args.optimizer, model),
             accumulation_steps=args.accumulation_steps,
-            loss_fn=loss_fn,
+            loss_fn=None if per_size else loss_fn,
+            make_loss=(lambda n: size(n)[2]) if per_size else None,
             objective=args.objective,
             multiple_of=args.multiple_of,
             max_batch_size=args.max_batch_size,

@@ -24,6 +24,30 @@ OPTIMIZERS = {
 }
 
 
+TARGET_NAMES = ("h100", "h200", "a100", "l4", "mi300x")  # autockpt.TARGETS, without torch
+PRECISION_NAMES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+def _target_options(command: argparse.ArgumentParser) -> None:
+    """``--target``/``--precision``: plan before launch, for the device the run uses."""
+    command.add_argument(
+        "--target",
+        choices=TARGET_NAMES,
+        default=None,
+        help="the device the run uses: the model is built on the meta device and planned "
+        "with that device's kernels, roofline times and memory (its capacity less 10%% is "
+        "the default budget); implies --meta",
+    )
+    command.add_argument(
+        "--precision",
+        choices=PRECISION_NAMES,
+        default=None,
+        help="the precision the run trains in: -mixed is autocast on the target's device "
+        "over the model's parameters, -true parameters of that dtype (build them so); "
+        "default: float32 without autocast",
+    )
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)

@@ -17,6 +17,7 @@ from autockpt.cli.options import (
     _common,
     _iteration_options,
     _positive_float,
+    _target_options,
 )
 from autockpt.cli.output import _default_loss_note, _say, _write
 from autockpt.cli.progress import Progress
@@ -29,8 +30,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     plan.add_argument(
         "--budget-gb",
         type=_positive_float,
-        required=True,
-        help="peak memory budget of one training step, GiB (2**30 bytes)",
+        default=None,
+        help="peak memory budget of one training step, GiB (2**30 bytes), per rank when "
+        "sharded; needed unless --target gives the default",
     )
     plan.add_argument("--solver", choices=SOLVERS, default="auto")
     plan.add_argument("--scope", choices=("total", "activations"), default="total")
@@ -61,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="comma-separated modules to fully_shard (default: repeated blocks)",
     )
     _iteration_options(plan)
+    _target_options(plan)
     plan.add_argument(
         "--meta",
         action="store_true",
@@ -74,8 +77,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     """Make the plan, write it to ``--output`` and print its summary (or its JSON)."""
     from autockpt.api import Planner
+    from autockpt.planning.request import budget_or_default
 
-    if args.meta:
+    budget_gb = budget_or_default(args.budget_gb, args.target)  # refused before any work
+    if args.meta or args.target:
         import torch
 
         with torch.device("meta"):  # parameters and inputs get shapes, never memory
@@ -96,9 +101,12 @@ def run(args: argparse.Namespace) -> int:
             fsdp_units=units,
             optimizer=_build_optimizer(args.optimizer, model),
             accumulation_steps=args.accumulation_steps,
+            budget_gb=budget_gb,
+            target=args.target,
+            precision=args.precision,
         )
         fast = planner.optimize(
-            budget_gb=args.budget_gb,
+            budget_gb=budget_gb,
             solver=args.solver,
             time_limit_s=args.time_limit,
             selective=not args.no_selective,

@@ -9,6 +9,10 @@ and the probe that the profile runs.
 
 from __future__ import annotations
 
+import torch
+
+from autockpt.base.target import Target
+
 # NOTE [profile: cost model]. Where nothing is measured (the meta device, a planner without
 # a probe), the solvers' recompute cost is a fixed function of the graph: a roofline of each
 # node's FLOPs and memory traffic at nominal rates for its device class, plus a fixed
@@ -36,9 +40,23 @@ class, in the cost model's seconds: it keeps the solvers from cutting a cheap mo
 many tiny segments."""
 
 
-def estimated_seconds(flops: int, traffic_bytes: int, device_type: str = "cuda") -> float:
+Rates = tuple[float, float, float]
+"""(FLOP/s, bytes/s, seconds per node): what a roofline prices a node with."""
+
+
+def rates_of(target: Target | None, device_type: str, dtype: torch.dtype) -> Rates:
+    """The roofline's rates: ``target``'s peak for ``dtype`` and its bandwidth (NOTE
+    [target: planning for another device]), else the nominal rates of ``device_type``."""
+    if target is None:
+        return NOMINAL_RATES.get(device_type, NOMINAL_RATES["cuda"])
+    return (target.flop_rate(dtype), target.bandwidth, NOMINAL_RATES["cuda"][2])
+
+
+def estimated_seconds(flops: int, traffic_bytes: int, rates: Rates | str = "cuda") -> float:
     """The cost model's forward seconds of one node (NOTE [profile: cost model]): the slower of
-    its arithmetic and its memory traffic (bytes read and written) at the nominal rates of
-    ``device_type``, plus a fixed per-node cost."""
-    flop_rate, byte_rate, per_node = NOMINAL_RATES.get(device_type, NOMINAL_RATES["cuda"])
+    its arithmetic and its memory traffic (bytes read and written) at ``rates`` (or the
+    nominal rates of a device type), plus a fixed per-node cost."""
+    if isinstance(rates, str):
+        rates = NOMINAL_RATES.get(rates, NOMINAL_RATES["cuda"])
+    flop_rate, byte_rate, per_node = rates
     return max(flops / flop_rate, traffic_bytes / byte_rate) + per_node

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from autockpt.base.inputs import Inputs
+from autockpt.base.runtime import META_RUNS_AS, meta_runs_as_device
 from autockpt.capture.captured import Capture
 
 
@@ -66,6 +69,17 @@ class CaptureInterpreter(fx.Interpreter):
         super().__init__(model, graph=capture.graph, **kwargs)
         self.capture_module = capture.graph_module
 
+    def run_node(self, n: fx.Node) -> Any:
+        """Run ``n``; a meta model's graph names the device it was traced on (an export
+        graph's ``device=meta`` arguments and metadata asserts), and its step runs on fake
+        tensors of :data:`META_RUNS_AS` (NOTE [runtime: meta runs as a device])."""
+        if n.op == "call_function" and meta_runs_as_device() and _names_meta(n):
+            with self._set_current_node(n):
+                args, kwargs = self.map_nodes_to_values((n.args, n.kwargs), n)
+                args, kwargs = pytree.tree_map(_off_meta, (args, kwargs))
+                return getattr(self, n.op)(n.target, args, kwargs)
+        return super().run_node(n)
+
     def fetch_attr(self, target: str) -> Any:
         try:
             return super().fetch_attr(target)
@@ -74,3 +88,19 @@ class CaptureInterpreter(fx.Interpreter):
             for part in target.split("."):
                 obj = getattr(obj, part)
             return obj
+
+
+def _is_meta(value: Any) -> bool:
+    return (isinstance(value, torch.device) and value.type == "meta") or (
+        isinstance(value, str) and value == "meta"
+    )
+
+
+def _names_meta(n: fx.Node) -> bool:
+    found = []
+    fx.node.map_aggregate((n.args, n.kwargs), lambda v: found.append(v) if _is_meta(v) else v)
+    return bool(found)
+
+
+def _off_meta(value: Any) -> Any:
+    return META_RUNS_AS if _is_meta(value) else value

@@ -41,14 +41,20 @@ from torch import nn
 
 from autockpt.base.allocations import StorageSet
 from autockpt.base.inputs import Inputs
-from autockpt.base.precision import Precision
+from autockpt.base.precision import Precision, autocast_dtypes
 from autockpt.base.runtime import LossFn, as_found, default_loss, device_of, loss_name
+from autockpt.base.target import Target
 from autockpt.capture.captured import Capture
 
 # KEEP_OVERHEAD_SECONDS and trained_parameters are re-exported: planning imports them from
 # here (autockpt/planning/predict.py, prepared.py).
 from autockpt.costs.cost_model import KEEP_OVERHEAD_SECONDS as KEEP_OVERHEAD_SECONDS
-from autockpt.costs.cost_model import SEGMENT_OVERHEAD_SECONDS, estimated_seconds
+from autockpt.costs.cost_model import (
+    SEGMENT_OVERHEAD_SECONDS,
+    Rates,
+    estimated_seconds,
+    rates_of,
+)
 from autockpt.costs.fake_structure import _fake_structure, _Recorder
 from autockpt.costs.parameters import _param_grad_attribution
 from autockpt.costs.parameters import trained_parameters as trained_parameters
@@ -169,6 +175,7 @@ def profile(
     repeat: int = 1,
     estimate_times: bool | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    target: Target | None = None,
 ) -> Profile:
     """Profile one training step of ``capture``'s graph, node by node, without ever running
     the un-checkpointed step on real tensors.
@@ -177,7 +184,9 @@ def profile(
     forward on fake tensors (NOTE [profile: fake structure]); kernel workspaces and times from
     the probe (NOTE [profile: probe]), which runs each node on real tensors while only a lean
     working set is alive. On the meta device (or with ``estimate_times``) there is no probe:
-    times are the cost model's (NOTE [profile: cost model]) and workspaces are unknown.
+    times are the cost model's (NOTE [profile: cost model]), a roofline of ``target``'s
+    rates when one is given (NOTE [target: planning for another device]), and workspaces
+    are unknown.
     """
     loss_fn = loss_fn or default_loss
     device = device_of(model, inputs)
@@ -209,7 +218,8 @@ def profile(
             probe = _worst_case_probe(
                 draws, model, capture, inputs, loss_fn, index_of, structure, passes
             )
-    times = _node_times(structure, probe, key, stored, device)
+    rates = rates_of(target, device.type, _compute_dtype(model))
+    times = _node_times(structure, probe, key, stored, device, rates)
     return Profile(
         nodes=_node_profiles(nodes, structure, probe, times, grad_bytes_by_node),
         storage_bytes=tuple(structure.storage_bytes),
@@ -231,6 +241,18 @@ def profile(
         probe_peak_bytes=probe.peak_bytes if probe else None,
         worst_case_draws=structure.worst_case_draws,
     )
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the step's matrix multiplies run in: autocast's on the model's device type
+    (its planning device's for a meta model), else the parameters' (float32 when mixed)."""
+    first = next(iter(model.parameters()), None)
+    kind = "cpu" if first is None or first.device.type == "meta" else first.device.type
+    cast = autocast_dtypes().get(kind)  # a meta step runs on fake CPU tensors
+    if cast is not None:
+        return cast
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
 def _timing_key(
@@ -265,12 +287,13 @@ def _node_times(
     key: str | None,
     stored: Timing | None,
     device: torch.device,
+    rates: Rates,
 ) -> _NodeTimes:
     """The seconds of the one time model (NOTE [timing: one time model]): those stored for
     ``key``, else the probe's, stored now (NOTE [timing: stored]); without a probe, the cost
     model's (NOTE [profile: cost model]), backward at twice the forward."""
     costs = [
-        estimated_seconds(structure.flops[i], structure.traffic[i], device.type)
+        estimated_seconds(structure.flops[i], structure.traffic[i], rates)
         for i in range(len(structure.flops))
     ]
     if probe is None or key is None:

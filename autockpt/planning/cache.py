@@ -4,8 +4,9 @@ the leanest plan instead of measuring them again.
 
 What is kept (:class:`Reused`) is plain data, no tensor, module or optimizer: the
 :class:`~autockpt.costs.profile.Profile` (sizes, measured node times and workspaces), the
-recorded step (:class:`~solvers.replay.MemoryTrace`) and the leanest plan's
-:class:`~solvers.Solution` (the stated minimum). Capture runs on every call (it is cheap,
+recorded step (:class:`~solvers.replay.MemoryTrace`), the leanest plan's
+:class:`~solvers.Solution` (the stated minimum) and, once a verifying step has run it, that
+plan's measured peak (the stated minimum from then on). Capture runs on every call (it is cheap,
 and its graph's fingerprint is part of the key); the stage chain, the predictor and the
 search are rebuilt from the kept data, so a planner made from the cache is the one an
 uncached call makes, with the first call's measured times.
@@ -77,6 +78,10 @@ class Reused:
     """:func:`~autockpt.costs.as_written.as_written_shift`, once a planner of this key has
     computed it (``as_written_known``): its two fake steps are not run again."""
     as_written_known: bool = False
+    leanest_measured_bytes: int | None = None
+    """The leanest plan's measured eager step (in the budget's scope), once a planner of
+    this key has run it (NOTE [routes: measured minimum]): a later planner states it as
+    its minimum from the start, never the smaller prediction again."""
 
 
 _entries: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Reused]] = OrderedDict()
@@ -177,6 +182,21 @@ def remember_as_written(model: nn.Module, found: Hashable | None, shift: int | N
         if entry is not None and entry[0]() is model and not entry[1].as_written_known:
             known = dataclasses.replace(entry[1], as_written_shift=shift, as_written_known=True)
             _entries[found] = (entry[0], known)
+
+
+def remember_leanest_measured(model: nn.Module, found: Hashable | None, measured: int) -> None:
+    """Keep the leanest plan's measured peak with the entry for ``found`` (kept for
+    ``model``): the largest measured, so a later planner never states less."""
+    if found is None:
+        return
+    with _lock:
+        entry = _entries.get(found)
+        if entry is None or entry[0]() is not model:
+            return
+        known = entry[1].leanest_measured_bytes
+        if known is None or measured > known:
+            kept = dataclasses.replace(entry[1], leanest_measured_bytes=measured)
+            _entries[found] = (entry[0], kept)
 
 
 def clear_cache(*, stored: bool = False) -> None:

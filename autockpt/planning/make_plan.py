@@ -99,6 +99,8 @@ def make_plan(
         measured_peak_bytes=None,
         measured_step_seconds=None,
         device=prof.device,
+        target=prepared.request.target.name if prepared.request.target else None,
+        time_model=time_model(prepared),
         notes=_notes(prepared, predictor, solution, None),
         world_size=sharding.world_size,
         sharding=sharding.mode,
@@ -206,6 +208,14 @@ def with_measurement(
     )
 
 
+def time_model(prepared: Prepared) -> str:
+    """The plan's ``time_model``: measured seconds, or whose roofline."""
+    if not prepared.profile.times_estimated:
+        return "measured"
+    target = prepared.request.target
+    return f"roofline:{target.name if target else 'nominal'}"
+
+
 def _notes(
     prepared: Prepared, predictor: Predictor, solution: Solution, checked: Measurement | None
 ) -> tuple[str, ...]:
@@ -224,8 +234,19 @@ def _notes(
             "tensors: its memory is what the allocator measured of it on real tensors (its "
             "forward and backward peaks, the outputs it saves, the gradients it hands back)"
         )
+    target = prepared.request.target
+    if prof.device == "meta":
+        notes.append(
+            f"planned on the meta device for {target.describe() if target else 'a GPU'}: the "
+            "step ran on fake CPU tensors, so attention is the fused kernel's (output and "
+            "log-sum-exp saved, no seq x seq scores) and autocast casts as the GPU's does "
+            "(NOTE [runtime: meta runs as a device])"
+        )
     if prof.times_estimated:
-        notes.append("times are FLOP-based estimates (planned on the meta device), not measured")
+        rates = f"{target.name}'s datasheet rates" if target else "nominal rates (no target)"
+        notes.append(
+            f"times are a roofline of each node's FLOPs and bytes at {rates}, not measured"
+        )
     else:
         timing = prof.timing
         if timing is not None and timing.ranks:

@@ -37,7 +37,7 @@ from torch import nn
 from autockpt.base.allocations import StorageSet
 from autockpt.base.inputs import Inputs
 from autockpt.base.optimizer import state_bytes
-from autockpt.base.precision import Precision
+from autockpt.base.precision import Precision, requested_precision
 from autockpt.base.runtime import (
     device_of,
     heard_written,
@@ -45,6 +45,7 @@ from autockpt.base.runtime import (
     parameters_written,
     release_freed_heap,
 )
+from autockpt.base.target import Target, resolve_target
 from autockpt.capture.captured import Capture
 from autockpt.costs.blocks import (
     PerBlockPlan,
@@ -163,7 +164,7 @@ def scope_chain(chain: Chain, scope: str, static_bytes: int) -> Chain:
 def resident_floor(
     model: nn.Module,
     inputs: Inputs,
-    captured: Capture,
+    captured: Capture | None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, int]:
     """What one step keeps whatever is checkpointed, read from the model, the inputs and the
@@ -171,11 +172,15 @@ def resident_floor(
     and trains, buffers, inputs and, with an optimizer, its state (a stand-in stepped once
     on fake tensors). All of it is alive when the backward ends, so every plan's peak in
     scope "total" on one process is at least the sum: a budget below it is refused before
-    profiling. Named as the refusal's breakdown names them."""
+    profiling. Named as the refusal's breakdown names them. Without a graph (``captured``
+    None: before capture), parameters, buffers and inputs alone: which parameters train is
+    the graph's to say."""
     static = StorageSet()  # parameters first, then buffers and inputs not shared with them
     parameters = static.add(model.parameters())
     buffers = static.add(model.buffers())
     input_bytes = static.add(inputs.tensors())
+    if captured is None:
+        return {"parameters": parameters, "buffers": buffers, "inputs": input_bytes}
     index_of = {node: i for i, node in enumerate(captured.compute_nodes())}
     trained = trained_parameters(model, captured, index_of)
     parts = {
@@ -227,6 +232,7 @@ def prepare(
                 optimizer=request.optimizer,
                 estimate_times=None if request.probe else True,
                 repeat=TIMING_PASSES,
+                target=request.target,
             )
         prof = with_written_parameters(prof, written)
         release_freed_heap()  # the probe's real tensors are gone: so are their pages
@@ -374,9 +380,20 @@ def refuse_unusual_reads(model: nn.Module, captured: Capture) -> None:
             )
 
 
-def start(model: nn.Module, inputs: Inputs) -> tuple[torch.device, Precision, PlanningPeak]:
-    """What is read before capture: the device, the precision in effect (an autocast
-    context around the call is the one training runs in: autockpt/base/precision.py), and
-    the start of planning's own peak."""
+def start(
+    model: nn.Module,
+    inputs: Inputs,
+    precision: Precision | str | None = None,
+    target: Target | str | None = None,
+) -> tuple[torch.device, Precision, PlanningPeak, Target | None]:
+    """What is read before capture: the device, the precision asked for or else the one in
+    effect (an autocast context around the call is the one training runs in:
+    autockpt/base/precision.py), the start of planning's own peak, and the target checked
+    against the device (NOTE [target: planning for another device]). A named mixed
+    precision is autocast on the device the run uses: the target's, else the model's (a
+    GPU's for a model on the meta device)."""
     device = device_of(model, inputs)
-    return device, Precision.now(model), PlanningPeak(device)
+    target = resolve_target(target, device)
+    runs_on = target.device_type if target else "cuda" if device.type == "meta" else device.type
+    asked = requested_precision(precision, model, runs_on)
+    return device, asked or Precision.now(model), PlanningPeak(device), target

@@ -28,6 +28,7 @@ from torch import nn
 from autockpt.base.optimizer import check_optimizer
 from autockpt.base.precision import Precision
 from autockpt.base.runtime import LossFn
+from autockpt.base.target import Target, resolve_target
 from autockpt.errors import GIB, BudgetError, BudgetTypeError, OptimizerError
 from autockpt.planning.sharding import Sharding
 
@@ -65,6 +66,10 @@ class Request:
     cache: bool = True
     """Whether an earlier preparation of the same key is reused and this one kept
     (autockpt/planning/cache.py)."""
+    target: Target | None = None
+    """The device the run will use, when it is not the one planning runs on (NOTE [target:
+    planning for another device]): its roofline times where nothing is measured, its
+    memory as the default budget."""
 
     @property
     def leaves(self) -> tuple[str, ...]:
@@ -122,6 +127,20 @@ def check_budget_gb(budget_gb: Any) -> float:
             ".as_written_peak_bytes, or `autockpt frontier`, show both."
         )
     return value
+
+
+def budget_or_default(budget_gb: Any, target: Target | str | None) -> Any:
+    """``budget_gb``, or where it is None the target's memory less its reserve (NOTE
+    [target: planning for another device]); None without a target is refused."""
+    if budget_gb is not None:
+        return budget_gb
+    if target is None:
+        raise BudgetTypeError(
+            "budget_gb is needed (GiB of peak memory per step, e.g. budget_gb=70.0; command "
+            "line: --budget-gb), or a target whose memory is the default budget "
+            "(target='h100'; --target h100)"
+        )
+    return resolve_target(target, torch.device("meta")).default_budget_bytes / GIB
 
 
 def budget_in_bytes(budget_gb: float) -> int:

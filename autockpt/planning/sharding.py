@@ -13,7 +13,10 @@ Design (and why):
 * **FSDP units are leaves of the capture.** FSDP2 all-gathers a unit's parameters in a
   forward pre-hook of the unit's module and frees them in a post-hook; both fire only if the
   unit is called as a module. Capturing each unit as one ``call_module`` node keeps it a
-  real module call in the rewritten graph, and every checkpoint segment, being a contiguous
+  real module call in the rewritten graph (fx keeps it a leaf; the export path, which
+  inlines calls, folds the unit's nodes back into one call: NOTE [capture: module calls],
+  autockpt/capture/outline.py, and :func:`check_units_called` refuses a unit neither path
+  kept, with the reason), and every checkpoint segment, being a contiguous
   range of top-level nodes, then contains whole units (one or several, plus the glue between
   them) and never splits one. Recompute calls the unit again, so its hooks gather the
   parameters again, exactly as FSDP2 expects of checkpointed blocks. A segment strictly
@@ -154,15 +157,16 @@ def _check_units(model: nn.Module, units: tuple[str, ...]) -> None:
 
 def check_units_called(capture: Capture, units: tuple[str, ...]) -> None:
     """Every FSDP unit must be a ``call_module`` node of the capture: its hooks gather its
-    parameters. A unit that is never called as a module (a container, or a graph captured
-    by ``torch.export``, which inlines modules) cannot be sharded behind a plan."""
+    parameters. A unit that is never called as a module (a container, a module called twice,
+    or an export graph's inlined call that cannot be folded back exactly: NOTE [capture:
+    module calls]) cannot be sharded behind a plan."""
     called = {str(n.target) for n in capture.graph.nodes if n.op == "call_module"}
     absent = [u for u in units if u not in called]
     if absent:
+        why = [note for note in capture.warnings if note.startswith(f"'{absent[0]}' could not")]
         how = (
-            "the graph was captured with torch.export, which inlines module calls, because fx "
-            "could not trace the root module"
-            if capture.method == "export"
+            why[0]
+            if why
             else "they are not called as modules in forward (a container, or reached only "
             "through a parent's call)"
         )

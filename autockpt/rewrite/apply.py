@@ -241,6 +241,7 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
                 leaf_modules=plan.leaf_modules,
                 method=method,
                 input_names=plan.input_names,
+                module_calls=plan.fsdp_units,
             )
     except TypeError as error:
         raise PlanMismatchError(

@@ -133,11 +133,18 @@ class _Checkpointing:
     # this module cannot import; None for results made from a saved plan.
     replan: Callable[[nn.Module, tuple, dict], nn.Module] | None = None
     on_precision_change: str = "replan"
+    # The plans of the other precisions this result has run (NOTE [rewrite: precision
+    # change]), by Precision.key: each one's state and the attributes its code reads. One
+    # dict per result, handed from state to state as plans switch.
+    by_precision: dict[Any, tuple[_Checkpointing, dict[str, Any]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Checkpointing:
         # Code, signature, checks and plan are immutable; only what was warned about is
-        # the copy's own.
-        return dataclasses.replace(self, warned=set(self.warned))
+        # the copy's own. The other precisions' plans are not copied: their segments are
+        # bound to the original (a copy plans again for another precision).
+        return dataclasses.replace(self, warned=set(self.warned), by_precision={})
 
     def warn_once(
         self,
@@ -303,19 +310,30 @@ def _forward(self: nn.Module, base: type, args: tuple, kwargs: dict) -> Any:
 # same budget and options, and takes the new plan's graph and segments in place: the user's
 # object stays the same, ``result.plan`` is the new plan, and a warning says so. The planner
 # gets the plain model (:func:`plain_module`), never the result, and runs under the call's
-# own autocast context, so it sees the precision the call runs in. ``on_precision_change``:
-# "replan" (default), "warn" (an fx graph runs the old plan and warns once per precision, an
-# export graph raises: the behaviour before re-planning), "raise" (PlanMismatchError for
-# every graph). Under torch.compile there is no re-planning inside a trace: the check
-# warns or raises as before.
+# own autocast context, so it sees the precision the call runs in. Every plan a result has
+# run is kept, one per precision (``by_precision``): a call in a precision planned before
+# switches back to that plan (its graph, segments and state), without planning or warning,
+# so a model trained in two precisions (float32 and bfloat16 autocast calls alternating)
+# plans once per precision, not on every switch (it did: 8-41 s a switch on a ViT). The
+# switch is also made inside a ``torch.compile`` trace, which guards on the precision: a
+# compiled call in a precision planned before runs that plan (it raised PlanMismatchError
+# after a call in another precision had switched the result away from it). A precision not
+# planned yet is not planned inside a trace: the check warns or raises as before.
+# ``on_precision_change``: "replan" (default), "warn" (an fx graph runs the old plan and
+# warns once per precision, an export graph raises: the behaviour before re-planning),
+# "raise" (PlanMismatchError for every graph); only "replan" switches between kept plans.
 def _replanned_if_needed(
     self: nn.Module, state: _Checkpointing, args: tuple, kwargs: dict
 ) -> _Checkpointing:
-    if torch.compiler.is_compiling() or state.plan is None:
-        return state
+    if state.plan is None or (torch.compiler.is_compiling() and not state.by_precision):
+        return state  # inside a trace only a switch to a kept plan is made
     planned = planned_precision(state.plan)
     current = Precision.now(self)
     if planned is None or planned == current:
+        return state
+    if current.key() in state.by_precision:
+        return _switch_plan(self, state, current)
+    if torch.compiler.is_compiling():
         return state
     warnings.warn(
         f"{type(self).__name__} was planned with {planned.describe()}; this call runs with "
@@ -407,22 +425,61 @@ def _units_precision_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
 def adopt(target: nn.Module, source: nn.Module) -> None:
     """Make ``target`` (a result) run ``source``'s plan: its graph, segments (bound to
     ``target``) and state, ``target``'s own settings and warnings kept. Both share the tree
-    (``source`` was planned from ``target``'s plain model)."""
+    (``source`` was planned from ``target``'s plain model). The plan ``target`` ran is kept
+    for its precision (NOTE [rewrite: precision change])."""
     old: _Checkpointing = vars(target)[_STATE]
     new: _Checkpointing = vars(source)[_STATE]
-    for name in old.attributes:
-        vars(target).pop(name, None)
-    for name in new.attributes:
-        value = vars(source)[name]
-        object.__setattr__(target, name, value)
-        if isinstance(value, CheckpointSegment):
-            value.bind(target)
+    by_precision = _keep_running_plan(target, old)
+    _take_attributes(target, old, {name: vars(source)[name] for name in new.attributes})
     vars(target)[_STATE] = dataclasses.replace(
         new,
         on_larger_input=old.on_larger_input,
         on_precision_change=old.on_precision_change,
         warned=old.warned | new.warned,
+        by_precision=by_precision,
     )
+
+
+def _switch_plan(self: nn.Module, state: _Checkpointing, current: Precision) -> _Checkpointing:
+    """Make ``self`` run the plan it kept for ``current`` (NOTE [rewrite: precision change]),
+    keeping the plan it ran for that plan's precision; ``self``'s settings and warnings
+    go with it."""
+    by_precision = _keep_running_plan(self, state)
+    kept, attributes = by_precision.pop(current.key())
+    _take_attributes(self, state, attributes)
+    switched = dataclasses.replace(
+        kept,
+        on_larger_input=state.on_larger_input,
+        on_precision_change=state.on_precision_change,
+        warned=state.warned,
+        by_precision=by_precision,
+        replan=state.replan if state.replan is not None else kept.replan,
+    )
+    vars(self)[_STATE] = switched
+    return switched
+
+
+def _keep_running_plan(
+    module: nn.Module, state: _Checkpointing
+) -> dict[Any, tuple[_Checkpointing, dict[str, Any]]]:
+    """``state.by_precision`` with the plan ``module`` runs now kept for its precision
+    (a plan that does not record one is not kept)."""
+    planned = planned_precision(state.plan) if state.plan is not None else None
+    if planned is not None:
+        attributes = {name: vars(module)[name] for name in state.attributes if name in vars(module)}
+        state.by_precision[planned.key()] = (state, attributes)
+    return state.by_precision
+
+
+def _take_attributes(module: nn.Module, old: _Checkpointing, attributes: dict[str, Any]) -> None:
+    """Replace the attributes ``old``'s code read on ``module`` with ``attributes``,
+    segments bound to ``module``."""
+    for name in old.attributes:
+        vars(module).pop(name, None)
+    for name, value in attributes.items():
+        object.__setattr__(module, name, value)
+        if isinstance(value, CheckpointSegment):
+            value.bind(module)
 
 
 _VERIFIED_COMPILED = "verified compiled"

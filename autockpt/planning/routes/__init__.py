@@ -31,7 +31,7 @@ from autockpt.errors import TraceError
 from autockpt.planning.prepared import PlanningPeak
 from autockpt.planning.request import Phases, ProgressFn, Request
 from autockpt.planning.routes.base import Route
-from autockpt.planning.routes.captured import CapturedRoute
+from autockpt.planning.routes.captured import CapturedRoute, refuse_below_floor
 from autockpt.planning.routes.compiled import CompiledRoute
 from autockpt.planning.routes.units import PlanUnit, plan_units
 from autockpt.rewrite.apply import same
@@ -56,9 +56,13 @@ def choose_route(
     fails in the root's own code (an input check, a LayerDrop loop; not when sharded or on
     the meta device, where units cannot be found by running the forward): the units route.
     Called inside the caller's ``as_found`` and ``training_mode`` blocks."""
+    if budget_bytes is not None:  # below the parameters alone: refused before capture
+        refuse_below_floor(model, inputs, None, request, budget_bytes)
     phases.start("capture", "capturing the graph")
     try:
-        captured = capture(model, inputs, leaf_modules=request.leaves)
+        captured = capture(
+            model, inputs, leaf_modules=request.leaves, module_calls=request.sharding.units
+        )
     except TraceError as error:
         # Before any profiling of the root: data-dependent code in the root itself
         # (an input check) runs eagerly around a submodule that is planned instead.

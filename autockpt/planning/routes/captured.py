@@ -37,6 +37,7 @@ from autockpt.planning.cache import (
     cached,
     keep,
     remember_as_written,
+    remember_leanest_measured,
     remember_profile,
 )
 from autockpt.planning.make_plan import breakdown, make_plan, rank_breakdown, with_measurement
@@ -58,12 +59,18 @@ HandBack = Any
 
 
 def refuse_below_floor(
-    model: nn.Module, inputs: Inputs, captured: Capture, request: Request, budget_bytes: int
+    model: nn.Module,
+    inputs: Inputs,
+    captured: Capture | None,
+    request: Request,
+    budget_bytes: int,
 ) -> None:
     """:class:`InfeasibleBudgetError` stating a floor (``floor_bytes``, ``lower_bound``; no
     minimum), before profiling, for a budget below what the step keeps whatever is
-    checkpointed (:func:`resident_floor`). Scope "total" on one process only: "activations"
-    leaves that part out, and a rank keeps a share of it."""
+    checkpointed (:func:`resident_floor`); before capture (``captured`` None) below the
+    parameters, buffers and inputs, so that a model far too large for its budget (an 8B
+    model for one GPU) is refused before seconds or minutes of capture. Scope "total" on one
+    process only: "activations" leaves that part out, and a rank keeps a share of it."""
     if request.scope != "total" or request.sharding.active:
         return
     parts = resident_floor(model, inputs, captured, request.optimizer)
@@ -140,6 +147,11 @@ class CapturedRoute:
         )
         if self.rank_memory is not None and scope == "total":
             self.breakdown = rank_breakdown(self.breakdown, self.rank_memory, request.sharding)
+        measured = reused.leanest_measured_bytes if reused is not None else None
+        if measured is not None and not self.compiled:
+            self._learn_leanest(
+                measured
+            )  # an earlier planner's step (NOTE [routes: measured minimum])
         phases.stop()
 
     def adopt(self, prepared: Prepared, leanest: Solution | None = None) -> None:
@@ -328,6 +340,8 @@ class CapturedRoute:
         if measured > self.minimum_peak_bytes:
             self.minimum_peak_bytes = measured
             self.breakdown = {**self.breakdown, "leanest plan's peak": measured}
+        if not self.compiled:  # kept for later planners of this model (an eager step's)
+            remember_leanest_measured(self.model, self.cache_key, measured)
 
     def rewrite(
         self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()

@@ -1,0 +1,204 @@
+"""Assert statements on traced values are guards in the graph, not leaves
+(autockpt/capture/guards.py): a submodule that checks its input's shape, as openai/whisper's
+``AudioEncoder`` does, is traced through, so its blocks can be checkpointed one by one.
+
+PYTEST_DONT_REWRITE: the models here assert as user code does; pytest's rewriting of this
+module's ``assert`` statements would turn theirs into code that is not an assertion.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import autockpt
+from autockpt.capture import Inputs, capture
+from tests.conftest import assert_same_step, quiet_planner, train_step
+
+WIDTH = 8
+
+
+class Checked(nn.Module):
+    """A linear that checks its input with one of the assertion forms below."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("template", torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "message":
+            assert x.shape[1:] == self.template.shape, "bad width"
+        elif self.form == "bare":
+            assert x.shape[-1] == WIDTH
+        elif self.form == "and":
+            assert x.dim() == 2 and x.shape[1] == WIDTH, "bad shape"
+        elif self.form == "raise":
+            if not x.shape[1] == WIDTH:
+                raise AssertionError(f"width {x.shape[1]}")
+        elif self.form == "values":
+            assert torch.isfinite(x).all(), "not finite"
+        return self.proj(x)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inner(x)))
+
+
+def _asserts(captured) -> list[torch.fx.Node]:
+    return [n for n in captured.graph_module.graph.nodes if n.target is torch._assert]
+
+
+@pytest.mark.parametrize("form", ["message", "bare", "and", "raise", "values"])
+def test_an_assertion_is_a_guard_in_the_graph_not_a_leaf(form):
+    torch.manual_seed(0)
+    model = Wrapped(Checked(form))
+    x = torch.randn(3, WIDTH)
+    captured = capture(model, Inputs.of(x))
+    assert captured.method == "fx" and captured.leaf_modules == ()
+    assert len(_asserts(captured)) == (2 if form == "and" else 1)
+    torch.testing.assert_close(captured.graph_module(x), model(x))
+
+
+@pytest.mark.parametrize(
+    ("form", "bad", "message"),
+    [
+        ("message", torch.randn(3, WIDTH + 1), "bad width"),
+        ("and", torch.randn(3, 1, WIDTH), "bad shape"),
+        ("values", torch.full((3, WIDTH), float("nan")), "not finite"),
+    ],
+)
+def test_the_guard_checks_every_call_with_the_assertions_message(form, bad, message):
+    torch.manual_seed(0)
+    captured = capture(Wrapped(Checked(form)), Inputs.of(torch.randn(3, WIDTH)))
+    with pytest.raises(AssertionError, match=message):
+        captured.graph_module(bad)
+
+
+def test_an_assertion_in_the_roots_own_code_still_goes_to_export():
+    """The root's own code keeps the path it has (guards.py says why): torch.export."""
+    torch.manual_seed(0)
+    captured = capture(Checked("message"), Inputs.of(torch.randn(3, WIDTH)))
+    assert captured.method == "export"
+
+
+class Branching(nn.Module):
+    """Truth tests that are not assertions: each still makes the module a leaf."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "branch":
+            if x.shape[0] > 2:
+                return self.proj(x)
+        elif self.form == "or":
+            assert x.shape[0] > 2 or x.shape[1] > 2
+        elif self.form == "other error":
+            if x.shape[1] != WIDTH:
+                raise ValueError("bad width")
+        elif self.form == "after":
+            ok = x.shape[1] == WIDTH
+            if not ok:
+                x = x * 2
+        return -self.proj(x)
+
+
+@pytest.mark.parametrize("form", ["branch", "or", "other error", "after"])
+def test_other_truth_tests_still_make_a_leaf(form):
+    torch.manual_seed(0)
+    captured = capture(Wrapped(Branching(form)), Inputs.of(torch.randn(3, WIDTH)))
+    assert captured.method == "fx+leaves" and captured.leaf_modules == ("inner",)
+    assert not _asserts(captured)
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class AudioEncoder(nn.Module):
+    """openai/whisper's encoder in small: a strided convolution stem, a check that the
+    input has the frames the positions were made for, residual blocks."""
+
+    def __init__(self, mels: int, frames: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(mels, width, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(width, width, kernel_size=3, stride=2, padding=1)
+        self.register_buffer("positional_embedding", torch.randn(frames // 2, width))
+        self.blocks = nn.ModuleList(EncoderBlock(width) for _ in range(depth))
+        self.ln_post = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).permute(0, 2, 1)
+        assert x.shape[1:] == self.positional_embedding.shape, "incorrect audio shape"
+        x = x + self.positional_embedding
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_post(x)
+
+
+class Speech(nn.Module):
+    """The encoder beside a token embedding that holds most parameters (as in Whisper), so
+    a capture that kept the encoder whole was not given up for torch.export."""
+
+    def __init__(self, mels: int = 16, frames: int = 256, width: int = 64, depth: int = 4):
+        super().__init__()
+        self.encoder = AudioEncoder(mels, frames, width, depth)
+        self.embedding = nn.Embedding(20_000, width)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, mel: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        audio = self.encoder(mel).mean(1, keepdim=True)
+        return self.head(self.embedding(tokens) + audio)
+
+
+def _each_block_by_hand(model: Speech) -> Speech:
+    for block in model.encoder.blocks:
+        block.forward = lambda x, _f=block.forward: checkpoint(_f, x, use_reentrant=False)
+    return model
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+def test_a_checked_encoder_is_planned_no_leaner_than_each_block_by_hand():
+    """The budget contract: the stated minimum is at most the measured peak of each block
+    checkpointed by hand, and a budget that hand plan meets is met, trained exactly as
+    eager. Before the guard, the encoder was one leaf and its minimum lay above it."""
+    torch.manual_seed(0)
+    model = Speech().train()
+    inputs = (torch.randn(8, 16, 256), torch.randint(0, 20_000, (8, 4)))
+    hand = autockpt.measure(
+        _each_block_by_hand(copy.deepcopy(model)), inputs, loss_fn=_loss, repeat=1
+    ).peak_bytes
+    planner = quiet_planner(model, inputs, loss_fn=_loss)
+    assert planner.capture.method == "fx" and planner.capture.leaf_modules == ()
+    assert planner.minimum_peak_bytes <= hand
+    expected = train_step(copy.deepcopy(model), inputs, loss_fn=_loss)
+    result = planner.optimize(budget_gb=hand / 2**30)
+    assert result.plan.segments
+    assert_same_step(expected, train_step(result, inputs, loss_fn=_loss))
+    with pytest.raises(AssertionError, match="incorrect audio shape"):
+        result(torch.randn(8, 16, 128), inputs[1])

@@ -1,0 +1,214 @@
+"""The budget contract in ``fit_batch`` (autockpt/fit.py, NOTE [fit: one probe, scaled]):
+nothing runs for real at a size whose prediction, kernel workspaces included, does not fit
+(a shapes-only guess is corrected by the workspaces measured at sizes planned in full, before
+anything runs); every real step the call runs peaks within the budget; and the loss can be
+built per size (``make_loss``, and ``autockpt fit`` with a factory returning its loss)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autockpt
+from autockpt.costs import probe as probe_module
+from autockpt.errors import GIB, BatchSizeError
+
+measure_module = importlib.import_module("autockpt.measure")  # autockpt.measure: the function
+
+
+class RealPeaks:
+    """The allocator peaks of every real run inside a block: each step ``measure`` runs (its
+    allocator events from steady state, the static part included) and each probe (the
+    allocator's peak while it ran, the parameters and inputs included)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.steps: list[int] = []
+        self.probes: list[int] = []
+        cpu_peak, probe = measure_module._cpu_peak, probe_module._probe
+
+        def recorded_step(*args, **kwargs):
+            peak = cpu_peak(*args, **kwargs)
+            self.steps.append(peak)
+            return peak
+
+        def recorded_probe(*args, **kwargs):
+            result = probe(*args, **kwargs)
+            self.probes.append(result.peak_bytes)
+            return result
+
+        monkeypatch.setattr(measure_module, "_cpu_peak", recorded_step)
+        monkeypatch.setattr(probe_module, "_probe", recorded_probe)
+
+
+def vgg_like(widths=(8, 8, "M", 16, 16, "M", 32, "M"), classes: int = 10) -> nn.Module:
+    """A VGG-like stack of 3x3 convolutions and max-pools, built by hand."""
+    layers: list[nn.Module] = []
+    channels = 3
+    for width in widths:
+        if width == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(channels, width, 3, padding=1), nn.ReLU()]
+            channels = width
+    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes)]
+    return nn.Sequential(*layers, *head).train()
+
+
+def images(n: int) -> torch.Tensor:
+    torch.manual_seed(n)
+    return torch.randn(n, 3, 16, 16)
+
+
+def classes_loss(n: int, classes: int = 10):
+    targets = torch.arange(n) % classes
+    return lambda logits: F.cross_entropy(logits, targets)
+
+
+def _fit(model, make_inputs, budget, monkeypatch, **options):
+    peaks = RealPeaks(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit = autockpt.fit_batch(model, make_inputs, budget_gb=budget / GIB, **options)
+    return fit, peaks
+
+
+def _check_contract(fit, peaks: RealPeaks, budget: int) -> None:
+    # every real step the call ran (the answer's verification) peaked within the budget
+    assert peaks.steps and max(peaks.steps) <= budget
+    assert fit.plan.measured_peak_bytes is not None and fit.plan.measured_peak_bytes <= budget
+    # every size planned in full was one whose prediction fit: it fits in full too
+    full = [c for c in fit.candidates if not c.estimated]
+    assert all(c.fits for c in full), full
+    # the size above the answer was judged, and not planned in full (its prediction is over)
+    above = {c.size: c for c in fit.candidates}[fit.batch_size + 1]
+    assert not above.fits and above.estimated
+    assert above.shapes_minimum_bytes <= above.minimum_peak_bytes
+    # one probe per size planned in full; a probe above the budget is said in a note
+    assert len(peaks.probes) == len(full)
+    over = [p for p in peaks.probes if p > budget]
+    assert bool(over) == any("planning in full peaked above the budget" in n for n in fit.notes)
+
+
+def test_vgg_like_no_size_runs_whose_prediction_is_over_the_budget(monkeypatch):
+    """On convolutions the CPU backward allocates a feature map per image that no operator
+    returns: shapes alone underestimate every size, so the shapes' largest size is over the
+    budget; it is corrected by the workspaces measured at the smallest size, and never
+    planned in full."""
+    model = vgg_like()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    budget = 700_000
+    fit, peaks = _fit(
+        model, images, budget, monkeypatch, optimizer=optimizer, make_loss=classes_loss
+    )
+    _check_contract(fit, peaks, budget)
+    by_size = {c.size: c for c in fit.candidates}
+    # shapes alone would take a larger size than the answer
+    assert any(c.shapes_minimum_bytes <= budget < c.minimum_peak_bytes for c in by_size.values())
+    assert fit.batch_size >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "resnet", "vgg_like"])
+def test_the_whole_call_stays_within_the_budget_on_zoo_models(name, monkeypatch):
+    from autockpt_zoo.toy import gpt, resnet
+
+    if name == "gpt":
+        model, _ = gpt(batch=1)
+
+        def make_inputs(n):
+            return gpt(batch=n)[1]
+
+        budget, options = 6 * 2**20, {"loss_fn": lambda out: out[1]}
+    elif name == "resnet":
+        model, _ = resnet(batch=1)
+
+        def make_inputs(n):
+            return resnet(batch=n)[1]
+
+        budget, options = 8 * 2**20, {}
+    else:
+        model, make_inputs = vgg_like((16, 16, "M", 32, 32, "M", 64, 64, "M")), images
+        budget, options = 3 * 2**20, {"make_loss": classes_loss}
+    optimizer = torch.optim.AdamW(model.parameters())
+    fit, peaks = _fit(model, make_inputs, budget, monkeypatch, optimizer=optimizer, **options)
+    _check_contract(fit, peaks, budget)
+
+
+class _Classifier(nn.Module):
+    def __init__(self, width: int = 32, classes: int = 10) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(4)]
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _rows(n: int) -> torch.Tensor:
+    torch.manual_seed(n)
+    return torch.randn(n, 32)
+
+
+def test_make_loss_is_checked_before_any_planning():
+    model = _Classifier().train()
+    with pytest.raises(ValueError, match="make_loss"):
+        autockpt.fit_batch(
+            model, _rows, budget_gb=1.0, loss_fn=classes_loss(1), make_loss=classes_loss
+        )
+
+    def broken(n):
+        raise KeyError("no targets")
+
+    with pytest.raises(BatchSizeError, match=r"make_loss\(1\) raised KeyError"):
+        autockpt.fit_batch(model, _rows, budget_gb=1.0, make_loss=broken)
+
+
+@pytest.mark.slow
+def test_make_loss_builds_each_sizes_loss():
+    """A loss that holds targets of its size: with one loss for every size the search fails
+    inside cross_entropy; ``make_loss(n)`` plans each size with its own."""
+    model = _Classifier().train()
+    sizes_asked: list[int] = []
+
+    def make_loss(n):
+        sizes_asked.append(n)
+        return classes_loss(n)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit = autockpt.fit_batch(model, _rows, budget_gb=120_000 / GIB, make_loss=make_loss)
+    assert fit.batch_size > 1 and fit.plan.measured_peak_bytes <= 120_000
+    assert fit.batch_size in sizes_asked and len(set(sizes_asked)) == len(sizes_asked)
+
+
+@pytest.mark.slow
+def test_cli_fit_plans_each_size_with_the_factorys_loss(tmp_path):
+    (tmp_path / "fit_loss_models.py").write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "def factory(n=1):\n"
+        "    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10)).train()\n"
+        "    x, y = torch.randn(n, 32), torch.randint(0, 10, (n,))\n"
+        "    return model, x, lambda logits: F.cross_entropy(logits, y)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "autockpt.cli", "fit", "fit_loss_models:factory"]
+        + ["--budget-gb", str(400_000 / GIB), "--json", "--no-plot"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    answer = json.loads(result.stdout)
+    assert answer["batch_size"] > 1 and answer["measured_peak_bytes"] <= 400_000
