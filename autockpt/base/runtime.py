@@ -390,6 +390,18 @@ def meta_runs_as_device() -> bool:
     return _META_AS_DEVICE.get()
 
 
+def fake_twin(mode: Any, t: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of ``mode`` standing for ``t``: a tensor without dense values gets a
+    dense stand-in of its shape, what the step's bookkeeping reads of it (NOTE [runtime:
+    unusual state]); a meta one is a fake tensor of :data:`META_RUNS_AS` (NOTE [runtime:
+    meta runs as a device]); any other, ``mode``'s own twin."""
+    if is_unusual(t):
+        return _stand_in(mode, t)
+    if t.device.type == "meta":
+        return mode.fake_tensor_converter.from_meta_and_device(mode, t, META_RUNS_AS)
+    return mode.from_tensor(t)
+
+
 @contextmanager
 def fake_step(
     model: nn.Module, inputs: Inputs, twins: dict[int, torch.Tensor] | None = None
@@ -418,15 +430,7 @@ def fake_step(
 
     def twin(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in twins:
-            # a tensor without dense values gets a dense stand-in of its shape: what the
-            # step's bookkeeping reads of it (NOTE [runtime: unusual state]); a meta one runs
-            # as the planning device's (NOTE [runtime: meta runs as a device])
-            if is_unusual(t):
-                fake = _stand_in(mode, t)
-            elif t.device.type == "meta":
-                fake = mode.fake_tensor_converter.from_meta_and_device(mode, t, META_RUNS_AS)
-            else:
-                fake = mode.from_tensor(t)
+            fake = fake_twin(mode, t)
             if t.requires_grad and not fake.requires_grad:
                 fake.requires_grad_(True)
             twins[id(t)] = fake

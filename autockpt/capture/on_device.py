@@ -7,7 +7,7 @@ it (the meta device's math path) and nothing where it is (the fused kernels). An
 traced on meta is therefore another graph than the same model's on the device: its plan
 does not apply there, and it counts a copy per attention layer the run never makes. So a
 meta model is exported as its planning step runs (NOTE [runtime: meta runs as a device]):
-parameters, buffers and inputs replaced by fake tensors of ``META_RUNS_AS``, in a fake mode
+parameters, buffers and inputs replaced by the fake step's twins (``fake_twin``), in a fake mode
 with a shape environment (export keeps sizes dynamic in it). The graph module export hands
 back holds those fake tensors; they are put back as meta tensors of the same layout, so the
 capture holds no tensor of a finished fake mode.
@@ -23,14 +23,14 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autockpt.base.inputs import Inputs
-from autockpt.base.runtime import META_RUNS_AS, device_of
+from autockpt.base.runtime import device_of, fake_twin
 
 __all__ = ["on_meta_again", "traced_as_device"]
 
 
 @contextmanager
 def traced_as_device(model: nn.Module, inputs: Inputs) -> Iterator[Inputs]:
-    """Inside, a meta ``model`` holds fake :data:`META_RUNS_AS` twins of its parameters and
+    """Inside, a meta ``model`` holds fake CPU twins of its parameters and
     buffers, and the yielded inputs are twins of ``inputs``; any other model and its inputs
     are yielded as they are."""
     if device_of(model, inputs).type != "meta":
@@ -45,11 +45,7 @@ def traced_as_device(model: nn.Module, inputs: Inputs) -> Iterator[Inputs]:
 
     def twin(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in twins:
-            if t.device.type == "meta":
-                fake = mode.fake_tensor_converter.from_meta_and_device(mode, t, META_RUNS_AS)
-            else:
-                fake = mode.from_tensor(t)
-            twins[id(t)] = fake
+            twins[id(t)] = fake_twin(mode, t)  # the fake step's own twin (runtime.py)
         return twins[id(t)]
 
     parameters: dict[int, nn.Parameter] = {}  # one per tensor: ties stay ties
