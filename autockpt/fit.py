@@ -18,15 +18,20 @@ planning included, so a size is planned in full only when its full prediction fi
 size not planned in full is judged by its shapes plus the workspaces of the sizes that were,
 scaled with the size: what the probe adds over the shapes (on a CPU, the backward of a
 convolution allocates one feature map per image that no operator returns) grows with the
-batch like the activations. Between two sizes planned in full, the line between their
-workspaces; above the largest, its workspaces times ``size / its size`` (an upper bound where
-part of a workspace is fixed, tight one size above); below the smallest, its workspaces.
-The probe's own allocator peak is reported per size (``BatchCandidate.probe_peak_bytes``),
-and a note says when it went over the budget: it runs each node on copies of its inputs
-while the graph's values stay alive, and on a CPU stack of 3x3 convolutions it peaks at
-about 1.3 times the leanest plan's prediction at the same size. Holding sizes back by it
-would cost a quarter of the answer there (23 for 31), so the search does not; the probe's
-working set is the probe's to shrink. Why:
+batch like the activations. A size is judged by an upper bound (:func:`_with_workspaces`):
+a plan replayed on its shapes-alone step as a curve (the shapes' leanest, and the leanest
+of the nearest size planned in full, which steers around workspaces; the lower of the
+two), each moment raised by the workspace of the kernel that runs there, as measured where
+sizes were planned in full and carried to this size node by node (:func:`_per_node`: in
+proportion to the size from one measured size, an upper bound; along the line through two
+once there are two, since a workspace has a part that grows and a part that does not).
+What a size planned in full added to its leanest peak is not enough alone (20 bytes at
+a batch of 1 on a VGG-like stack with AdamW, whose peak is then the optimizer's step: 37
+looked 1.2 MB lighter than it was, and was probed 0.3 MB over the budget). One size above
+one planned in full, what that one added, scaled: tight, so the answer's neighbour is
+judged exactly. The probe's allocator peak is reported per size (``probe_peak_bytes``, a
+note if over the budget); its working set is below the leanest plan's (NOTE [profile:
+probe's working set]; CPU 3x3 convolutions: 1.29 times the budget before, 0.95 after). Why:
 on VGG19 (224 x 224, SGD, 2 GiB) the shapes alone put the largest size at 19 where 15 is the
 answer, and planning 19 in full peaked 6.9% above the budget; why not plan every size in
 full: the probe runs the step's kernels, repeatedly for their times, so it is what costs
@@ -500,12 +505,15 @@ class _Sizes:
         shapes = self.plan(size, full=False)
         if shapes.planner is None:
             return _REFUSED
-        known = {
-            n: max(0, p.minimum - self.shapes[n].minimum)
-            for n, p in self.full.items()
-            if p.planner is not None
-        }
-        return shapes.minimum + _scaled(known, size, 0)
+        full = {n: p for n, p in self.full.items() if p.planner is not None}
+        below = full.get(size - self.multiple_of)
+        if below is not None:  # one size above one planned in full: what it added, scaled
+            added = max(0, below.minimum - self.shapes[below.size].minimum)
+            return shapes.minimum + _scaled({below.size: added}, size, 0)
+        if not full:
+            return shapes.minimum
+        measured = {n: (p.ready, self.shapes[n].minimum) for n, p in full.items()}
+        return max(_with_workspaces(shapes.ready, size, measured), shapes.minimum)
 
     def candidates(self) -> tuple[BatchCandidate, ...]:
         """Every size planned, by size: those planned in full as they were, the others by
@@ -755,6 +763,86 @@ def _scaled(known: dict[int, int], size: int, fixed: int) -> int:
         return fixed + math.ceil((known[below] - fixed) * size / below)
     rise = (known[above] - known[below]) * (size - below) / (above - below)
     return known[below] + math.ceil(rise)
+
+
+def _with_workspaces(shapes: Planner, size: int, measured: dict[int, tuple[Planner, int]]) -> int:
+    """An upper bound of the leanest peak at ``size`` (``shapes``: planned there from shapes
+    alone) from the sizes planned in full, ``measured`` (size: its planner and its leanest
+    peak from shapes alone), NOTE [fit: one probe, scaled]: a plan replayed on the shapes'
+    step as a curve, each point raised by the workspace of the kernel that runs there,
+    scaled to ``size`` (:func:`_raised_peak`, :func:`_per_node`), plus every byte kernels
+    save beyond their operators' results; never below what the sizes planned in full added
+    to their leanest peaks, scaled. What they added is not enough alone: at a batch of 1 the
+    peak may fall in the optimizer's step, where no kernel runs, and add nothing, while a
+    larger size peaks in a convolution's backward. Of two plans, the lower: the shapes'
+    leanest, blind to workspaces, and the nearest size's leanest, which steers around them."""
+    added = _scaled(
+        {n: max(0, p.minimum_peak_bytes - low) for n, (p, low) in measured.items()}, size, 0
+    )
+    graphs = {n: p.profile.nodes for n, (p, _) in measured.items() if p.nested is None}
+    if (
+        shapes.nested is not None
+        or not graphs
+        or {len(v) for v in graphs.values()} != {len(shapes.profile.nodes)}
+    ):
+        largest = max(
+            (max(x.forward_workspace, x.backward_workspace) for v in graphs.values() for x in v),
+            default=0,
+        )
+        top = max(measured)
+        return shapes.minimum_peak_bytes + max(added, math.ceil(largest * max(1.0, size / top)))
+    forward = _per_node({n: [x.forward_workspace for x in v] for n, v in graphs.items()}, size)
+    backward = _per_node({n: [x.backward_workspace for x in v] for n, v in graphs.items()}, size)
+    hidden = _per_node({n: [x.hidden_saved for x in v] for n, v in graphs.items()}, size)
+    nearest = min(graphs, key=lambda n: (abs(n - size), -n))
+    raised = min(
+        _raised_peak(shapes, plan_of, forward, backward)
+        for plan_of in (shapes, measured[nearest][0])
+    )
+    return max(raised + sum(hidden), shapes.minimum_peak_bytes + added)
+
+
+def _per_node(known: dict[int, list[int]], size: int) -> list[int]:
+    """Each node's workspace at ``size`` from its workspaces at the sizes ``known``. From one
+    size alone, in proportion to the size above it (all of it taken as growing: an upper
+    bound). Else the line through two known sizes (a workspace is a part that grows with the
+    size and a part that does not): between the two that bracket ``size``; above them all,
+    through the two largest, never below the larger value; below them all, the smallest
+    size's value (an upper bound where workspaces grow with the size)."""
+    sizes = sorted(known)
+    if size in known:
+        return list(known[size])
+    if len(sizes) == 1:
+        return [math.ceil(v * max(1.0, size / sizes[0])) for v in known[sizes[0]]]
+    if size < sizes[0]:
+        return list(known[sizes[0]])
+    above = [n for n in sizes if n > size]
+    a, b = (max(n for n in sizes if n < size), above[0]) if above else sizes[-2:]
+    values = []
+    for va, vb in zip(known[a], known[b], strict=True):
+        line = math.ceil(va + (vb - va) * (size - a) / (b - a))
+        values.append(line if above else max(line, va, vb))
+    return values
+
+
+def _raised_peak(shapes: Planner, plan_of: Planner, forward: list[int], backward: list[int]) -> int:
+    """The peak of ``plan_of``'s leanest plan replayed on ``shapes``'s step, each moment
+    raised by the workspace of the kernel that runs there (a recompute: its segment's
+    largest), as the recorded step holds one over its whole window (NOTE [record:
+    workspaces])."""
+    lean = plan_of.search.leanest()
+    ranges, stash = plan_of.predictor.node_ranges(lean.segments)
+    curve = replay.timeline(shapes.trace, ranges, stash, lean.kept or None)
+    recompute = {start: max(forward[start:end], default=0) for start, end in ranges}
+    at = {replay.FORWARD: forward, replay.BACKWARD: backward}
+    raised = 0
+    for phase, node, peak in curve:
+        if phase == "recompute":
+            workspace = recompute.get(node, 0)
+        else:
+            workspace = at[phase][node] if phase in at and node < len(forward) else 0
+        raised = max(raised, peak + workspace)
+    return raised
 
 
 def _between(low: int, high: int, m: int) -> int:

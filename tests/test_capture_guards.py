@@ -1,6 +1,8 @@
-"""Assert statements on traced values are guards in the graph, not leaves
-(autockpt/capture/guards.py): a submodule that checks its input's shape, as openai/whisper's
-``AudioEncoder`` does, is traced through, so its blocks can be checkpointed one by one.
+"""Assert statements on traced values, and raises on tensor values, are guards in the
+graph, not leaves (autockpt/capture/guards.py, NOTE [capture: checks on values]): a
+submodule that checks its input's shape, as openai/whisper's ``AudioEncoder`` does, or its
+values (``if torch.isnan(x).any(): raise``), is traced through, so its blocks can be
+checkpointed one by one.
 
 PYTEST_DONT_REWRITE: the models here assert as user code does; pytest's rewriting of this
 module's ``assert`` statements would turn theirs into code that is not an assertion.
@@ -18,6 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 import autockpt
 from autockpt.capture import Inputs, capture
+from autockpt.capture.guards import value_check
+from autockpt.costs.blocks import blocks_inside_notes
 from tests.conftest import assert_same_step, quiet_planner, train_step
 
 WIDTH = 8
@@ -58,7 +62,13 @@ class Wrapped(nn.Module):
 
 
 def _asserts(captured) -> list[torch.fx.Node]:
-    return [n for n in captured.graph_module.graph.nodes if n.target is torch._assert]
+    """The graph's guards: ``torch._assert`` on shapes, :func:`value_check`'s on values."""
+    return [
+        n
+        for n in captured.graph_module.graph.nodes
+        if n.target is torch._assert
+        or getattr(n.target, "__module__", "") == value_check.__module__
+    ]
 
 
 @pytest.mark.parametrize("form", ["message", "bare", "and", "raise", "values"])
@@ -77,7 +87,7 @@ def test_an_assertion_is_a_guard_in_the_graph_not_a_leaf(form):
     [
         ("message", torch.randn(3, WIDTH + 1), "bad width"),
         ("and", torch.randn(3, 1, WIDTH), "bad shape"),
-        ("values", torch.full((3, WIDTH), float("nan")), "not finite"),
+        ("values", torch.full((3, WIDTH), float("nan")), "^not finite$"),
     ],
 )
 def test_the_guard_checks_every_call_with_the_assertions_message(form, bad, message):
@@ -202,3 +212,144 @@ def test_a_checked_encoder_is_planned_no_leaner_than_each_block_by_hand():
     assert_same_step(expected, train_step(result, inputs, loss_fn=_loss))
     with pytest.raises(AssertionError, match="incorrect audio shape"):
         result(torch.randn(8, 16, 128), inputs[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# raises on values (NOTE [capture: checks on values])
+
+
+class ValueChecked(nn.Module):
+    """A linear that checks its input's values with one of the raise forms below."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "nan":
+            if torch.isnan(x).any():
+                raise ValueError("nan in input")
+        elif self.form == "not finite":
+            if not torch.isfinite(x).all():
+                raise FloatingPointError(f"{x.shape[0]} rows, some not finite")
+        elif self.form == "either":
+            if torch.isnan(x).any() or torch.isinf(x).any():
+                raise ValueError("nan or inf")
+        return self.proj(x)
+
+
+@pytest.mark.parametrize(("form", "guards"), [("nan", 1), ("not finite", 1), ("either", 2)])
+def test_a_raise_on_values_is_a_guard_in_the_graph_not_a_leaf(form, guards):
+    torch.manual_seed(0)
+    model = Wrapped(ValueChecked(form))
+    x = torch.randn(3, WIDTH)
+    captured = capture(model, Inputs.of(x))
+    assert captured.method == "fx" and captured.leaf_modules == ()
+    assert len(_asserts(captured)) == guards
+    torch.testing.assert_close(captured.graph_module(x), model(x))
+
+
+@pytest.mark.parametrize(
+    ("form", "bad", "error", "message"),
+    [
+        ("nan", float("nan"), ValueError, "^nan in input$"),
+        ("either", float("inf"), ValueError, "^nan or inf$"),
+        # a message built at run time: the check's location and line instead
+        ("not finite", float("inf"), FloatingPointError, r"test_capture_guards.py:\d+: `if not"),
+    ],
+)
+def test_the_value_guard_raises_the_models_error_on_every_call(form, bad, error, message):
+    torch.manual_seed(0)
+    captured = capture(Wrapped(ValueChecked(form)), Inputs.of(torch.randn(3, WIDTH)))
+    x = torch.randn(3, WIDTH)
+    x[1, 2] = bad
+    with pytest.raises(error, match=message):
+        captured.graph_module(x)
+
+
+def test_the_value_guard_passes_where_there_are_no_values():
+    """Planning's fake step and meta models size the path that goes on; real values check."""
+    check = value_check(ValueError, True)
+    check(torch.ones((), dtype=torch.bool, device="meta"), "never")
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        check(torch.ones((), dtype=torch.bool), "never")
+    check(torch.zeros((), dtype=torch.bool), "never")
+    with pytest.raises(ValueError, match="^held$"):
+        check(torch.ones((), dtype=torch.bool), "held")
+
+
+def test_a_raise_on_values_in_the_roots_own_code_still_fails_capture():
+    """The root's own check keeps the units route it has (guards.py says why)."""
+    with pytest.raises(autockpt.TraceError):
+        capture(ValueChecked("nan"), Inputs.of(torch.randn(3, WIDTH)))
+
+
+class NanCheckedEncoder(AudioEncoder):
+    """The encoder with the check real encoders make first: a raise on the input's values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.isnan(x).any():
+            raise ValueError("nan in the features")
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).permute(0, 2, 1)
+        x = x + self.positional_embedding
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_post(x)
+
+
+def test_a_nan_checked_encoder_is_planned_no_leaner_than_each_block_by_hand():
+    """The budget contract on an encoder that raises on values: before the guard, the
+    encoder was a leaf and planning was refused (the fake step cannot test a value); now
+    the stated minimum is at most each block checkpointed by hand, a budget that hand plan
+    meets is met, trained exactly as eager, and a bad input still raises after planning."""
+    torch.manual_seed(0)
+    model = Speech(frames=128)
+    model.encoder = NanCheckedEncoder(16, 128, 64, 4)
+    model.train()
+    inputs = (torch.randn(4, 16, 128), torch.randint(0, 20_000, (4, 4)))
+    hand = autockpt.measure(
+        _each_block_by_hand(copy.deepcopy(model)), inputs, loss_fn=_loss, repeat=1
+    ).peak_bytes
+    planner = quiet_planner(model, inputs, loss_fn=_loss)
+    assert planner.capture.method == "fx" and planner.capture.leaf_modules == ()
+    assert planner.minimum_peak_bytes <= hand
+    expected = train_step(copy.deepcopy(model), inputs, loss_fn=_loss)
+    result = planner.optimize(budget_gb=hand / 2**30)
+    assert any(s.first_module.startswith("encoder.blocks") for s in result.plan.segments)
+    assert_same_step(expected, train_step(result, inputs, loss_fn=_loss))
+    bad = inputs[0].clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="nan in the features"):
+        result(bad, inputs[1])
+
+
+class BranchingEncoder(AudioEncoder):
+    """A branch on values that changes the computation: no single path to trace."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 100:
+            x = x / 100
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).permute(0, 2, 1)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_post(x)
+
+
+def test_a_leaf_says_its_blocks_cannot_be_checkpointed_one_by_one():
+    """What stays a leaf is said, never silent: its note names the line, and another names
+    the repeated blocks inside it that the plan cannot checkpoint one by one."""
+    torch.manual_seed(0)
+    model = Speech()
+    model.encoder = BranchingEncoder(16, 256, 64, 4)
+    inputs = Inputs.of((torch.randn(2, 16, 256), torch.randint(0, 20_000, (2, 4))))
+    captured = capture(model, inputs)
+    assert captured.method == "fx+leaves" and captured.leaf_modules == ("encoder",)
+    assert any("`if x.abs().max() > 100:`" in note for note in captured.warnings)
+    # the plan's notes say it, from the one repeated-block finder (autockpt/costs/blocks.py)
+    assert blocks_inside_notes(model, captured.leaf_modules) == [
+        "encoder runs as one call, so the repeated blocks inside it (encoder.blocks.0 ... "
+        "encoder.blocks.3 (4 x EncoderBlock)) cannot be checkpointed one by one: the plan's "
+        "minimum may lie above checkpointing each of them by hand"
+    ]
+    torch.testing.assert_close(captured.graph_module(*inputs.args), model(*inputs.args))

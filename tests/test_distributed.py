@@ -12,6 +12,7 @@ import dataclasses
 import json
 import time
 import traceback
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -26,10 +27,17 @@ import torch.distributed as dist
 import autockpt
 from autockpt.api import Planner, budget_in_bytes
 from autockpt.base.runtime import default_loss
-from autockpt.distributed import _AllocationLedger, _Failure, measure_rank
-from autockpt.errors import AutockptError, InfeasibleBudgetError, ShardingError, TraceError
+from autockpt.distributed import _AllocationLedger, _Failure, fsdp_bf16_twin, measure_rank
+from autockpt.errors import (
+    AutockptError,
+    InfeasibleBudgetError,
+    PrecisionWarning,
+    ShardingError,
+    TraceError,
+    UncoveredCallWarning,
+)
 from autockpt.plan import Plan
-from autockpt.planning.sharding import detect_units
+from autockpt.planning.sharding import RANK_MARGIN_BYTES, detect_units
 from autockpt_zoo.toy import block_stack, gpt
 from benchmarks.distributed import (
     DEFAULT_KWARGS,
@@ -271,6 +279,20 @@ def test_allocation_ledger_reads_several_frees_on_other_threads_from_one_drop():
     # between two events.
     assert ledger.apply([(0x10, 100, 100), (0x20, 50, 150), (0x30, 30, 180), (0x40, 1, 31)]) == 180
     assert ledger.current == 31 and set(ledger.live) == {0x30, 0x40}
+
+
+def test_allocation_ledger_corrects_a_drop_that_retired_the_wrong_block_of_its_size():
+    ledger = _AllocationLedger()
+    # Two gathered units of one size (0x10, 0x20). 0x10 is freed on another thread: the
+    # drop of 100 cannot say which, and retires the most recent, 0x20.
+    assert ledger.apply([(0x10, 100, 100), (0x20, 100, 200), (0x30, 1, 101)]) == 200
+    assert ledger.current == 101 and set(ledger.live) == {0x10, 0x30}
+    # 0x20 is then freed on a watched thread: it was alive, so the drop was 0x10's.
+    assert ledger.apply([(0x20, -100, 1)]) == 101
+    assert ledger.current == 1 and set(ledger.live) == {0x30}
+    # 0x10 returning later frees nothing twice; a free of a block never seen changes nothing
+    assert ledger.apply([(0x10, 50, 51), (0x99, -7, 44)]) == 51
+    assert ledger.current == 51
 
 
 def test_evaluation_after_fully_shard_uses_the_trained_root_parameters(one_rank_group):
@@ -598,3 +620,86 @@ def test_a_failure_crosses_ranks_with_its_class_message_and_attributes():
         assert {k: v for k, v in vars(again).items() if k != "__notes__"} == vars(error)
     again = _Failure.of(errors[0], 0, "planning").rebuild()
     assert again.minimum_gb == errors[0].minimum_gb and again.breakdown == {"parameters": 4000}
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): precision="fsdp-bf16"
+
+MIXED_GPT = {"layers": 4, "dim": 64, "heads": 4, "vocab_size": 128, "seq_len": 32, "batch": 4}
+
+
+def _mixed_precision_rank(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:
+    """One rank: the plan (made on the bfloat16 twin) applied to the float32 model, wrapped
+    with the policy and measured; then the same step under FSDP2 alone with the policy.
+    Returns both steps' losses and full gradients and the measurement."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from autockpt.distributed import wrap
+
+    plan = Plan.from_json(plan_json)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def model_and_my_batch() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+        return gpt(**MIXED_GPT, seed=0)[0], gpt(**MIXED_GPT, seed=100 + rank)[1]
+
+    def build() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+        model, batch = model_and_my_batch()
+        result = autockpt.apply(model, plan, batch)
+        return wrap(result, "fsdp", plan.fsdp_units, mp_policy=policy), batch
+
+    def step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(STEP_SEED)
+        loss = default_loss(model(*batch))
+        loss.backward()
+        grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        return {"loss": loss.detach().float(), "grads": grads}
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        wrapped, inputs, measured = measure_rank(build)
+        planned = step(wrapped, inputs.args)
+    model, batch = model_and_my_batch()
+    for unit in plan.fsdp_units:
+        fully_shard(model.get_submodule(unit), mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return {
+        "planned": planned,
+        "fsdp": step(model, batch),
+        "measured": dataclasses.asdict(measured),
+        # what autockpt said about the calls: another precision, an uncovered call
+        "warned": [
+            str(w.message)
+            for w in said
+            if issubclass(w.category, (PrecisionWarning, UncoveredCallWarning))
+        ],
+    }
+
+
+@pytest.mark.slow  # about a minute: a plan, then two ranks
+def test_fsdp_mixed_precision_plan_runs_under_the_policy_like_fsdp2_alone(tmp_path):
+    """NOTE [precision: FSDP2 mixed precision]: planned on the model in bfloat16 with
+    ``precision="fsdp-bf16"``, applied to the float32 model that ``fully_shard(...,
+    mp_policy=...)`` wraps: every rank is within the per-rank budget and its prediction,
+    and trains like the same FSDP2 run without autockpt."""
+    model, batch = gpt(**MIXED_GPT, seed=0)
+    twin = fsdp_bf16_twin(model)  # bfloat16 parameters, buffers as they are
+    planner = Planner(twin, batch, world_size=WORLD_SIZE, sharding="fsdp", precision="fsdp-bf16")
+    low, high = planner.minimum_peak_bytes, planner.no_checkpoint_peak_bytes
+    plan = planner.optimize(budget_gb=(low + 0.3 * (high - low)) / 2**30).plan
+    assert plan.segments and plan.fsdp_units == ("h.0", "h.1", "h.2", "h.3")
+    # the rank keeps float32 shards of the float32 model it trains
+    assert plan.rank_memory.parameters == -(-sum(p.nbytes for p in model.parameters()) // 2)
+    for got in _spawn(_mixed_precision_rank, (plan.to_json(),), tmp_path):
+        # the wrapped float32 model runs the planned precision: the graph, no warning
+        assert got["warned"] == []
+        torch.testing.assert_close(got["planned"]["loss"], got["fsdp"]["loss"])
+        assert got["planned"]["grads"].keys() == got["fsdp"]["grads"].keys()
+        for name, grad in got["fsdp"]["grads"].items():
+            assert grad.dtype == torch.float32  # reduce-scattered in float32, kept in float32
+            torch.testing.assert_close(got["planned"]["grads"][name], grad, msg=name)
+        measured = got["measured"]
+        assert measured["peak_bytes"] <= plan.predicted_peak_bytes <= plan.budget_bytes
+        # float32 shards and buffers: what the rank keeps is what the plan counts
+        assert measured["resident_bytes"] <= plan.rank_memory.static + RANK_MARGIN_BYTES

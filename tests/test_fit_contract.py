@@ -91,10 +91,11 @@ def _check_contract(fit, peaks: RealPeaks, budget: int) -> None:
     above = {c.size: c for c in fit.candidates}[fit.batch_size + 1]
     assert not above.fits and above.estimated
     assert above.shapes_minimum_bytes <= above.minimum_peak_bytes
-    # one probe per size planned in full; a probe above the budget is said in a note
+    # one probe per size planned in full, each within the budget too (NOTE [profile:
+    # probe's working set]), so no note says otherwise
     assert len(peaks.probes) == len(full)
-    over = [p for p in peaks.probes if p > budget]
-    assert bool(over) == any("planning in full peaked above the budget" in n for n in fit.notes)
+    assert max(peaks.probes) <= budget
+    assert not any("planning in full peaked above the budget" in n for n in fit.notes)
 
 
 def test_vgg_like_no_size_runs_whose_prediction_is_over_the_budget(monkeypatch):
@@ -212,3 +213,18 @@ def test_cli_fit_plans_each_size_with_the_factorys_loss(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     answer = json.loads(result.stdout)
     assert answer["batch_size"] > 1 and answer["measured_peak_bytes"] <= 400_000
+
+
+def test_workspaces_are_carried_to_a_size_node_by_node():
+    """NOTE [fit: one probe, scaled]: from one measured size a workspace grows in proportion
+    (an upper bound); from two, along their line, never below the larger value above them
+    and the smallest's value below them."""
+    from autockpt.fit import _per_node
+
+    assert _per_node({4: [100, 0, 30]}, 8) == [200, 0, 60]
+    assert _per_node({4: [100, 0, 30]}, 2) == [100, 0, 30]  # never scaled down
+    two = {4: [100, 300, 50], 8: [200, 340, 40]}  # growing, mostly fixed, noisy
+    assert _per_node(two, 8) == [200, 340, 40]
+    assert _per_node(two, 6) == [150, 320, 45]
+    assert _per_node(two, 16) == [400, 420, 50]
+    assert _per_node(two, 2) == [100, 300, 50]

@@ -358,3 +358,60 @@ def test_a_var_keyword_placeholder_gets_an_empty_dict():
     result = autockpt.optimize(model, (x,), budget_gb=1.0)
     expected = model(x)
     assert torch.equal(result(x), expected)
+
+
+class _KeepsOutputOnCtx(torch.autograd.Function):
+    """Keeps its output aside on ``ctx`` (not a saved tensor): the probe must not free it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.out = x.exp()
+        return ctx.out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.out
+
+
+class _Twice(nn.Module):
+    def forward(self, x):
+        return _KeepsOutputOnCtx.apply(x) * 2
+
+
+def test_the_probe_frees_only_outputs_of_calls_that_save_through_autograd():
+    """NOTE [profile: probe's working set]: operators, methods and torch.nn modules save what
+    their backward reads as saved tensors; a custom Function may keep it on ``ctx`` and a
+    user's module may hold one, so their outputs are never freed."""
+    from autockpt.costs.probe import _saves_through_autograd
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), _Twice())
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [
+        graph.call_module("0", (x,)),
+        graph.call_function(torch.relu, (x,)),
+        graph.call_function(torch.ops.aten.mm.default, (x, x)),
+        graph.call_method("exp", (x,)),
+        graph.call_function(_KeepsOutputOnCtx.apply, (x,)),
+        graph.call_module("1", (x,)),
+    ]
+    assert [_saves_through_autograd(n, model) for n in nodes] == [1, 1, 1, 1, 0, 0]
+
+
+def test_the_probe_frees_outputs_autograd_does_not_save_and_measures_the_same(monkeypatch):
+    """Freeing the outputs no backward reads lowers the probe's peak by a feature map and
+    changes no measured workspace."""
+    from autockpt.costs import probe as probe_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1))
+    x = torch.randn(4, 3, 32, 32)
+    freed = _profile(model, x)
+    monkeypatch.setattr(probe_module, "_saves_through_autograd", lambda n, m: False)
+    kept = _profile(model, x)
+    assert [(n.forward_workspace, n.backward_workspace) for n in freed.nodes] == [
+        (n.forward_workspace, n.backward_workspace) for n in kept.nodes
+    ]
+    feature_map = 4 * 16 * 32 * 32 * F32
+    assert freed.probe_peak_bytes <= kept.probe_peak_bytes - feature_map
+    assert model[0].weight.grad is None  # the probe leaves no gradient behind

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autockpt.errors import GIB, InfeasibleBudgetError
+from autockpt.distributed import fsdp_bf16_twin
+from autockpt.errors import GIB, InfeasibleBudgetError, PrecisionError, ShardingError
 from solvers.search import leanest
 from tests.conftest import quiet_planner
 
@@ -143,3 +144,84 @@ def test_the_breakdown_is_a_ranks(sharding, fsdp, ddp):
     whole = dict(planner.trace.resident)["optimizer state"]  # one process's AdamW state
     share = -(-whole // WORLD_SIZE) if sharding == "fsdp" else whole
     assert memory.optimizer_state == share
+
+
+# -- FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) ----------------
+
+
+def _bf16_planner(precision: str, sharding: str = "fsdp"):
+    """The LM with bfloat16 parameters on meta (as ``bf16-true`` and ``fsdp-bf16`` take
+    it), with AdamW."""
+    with torch.device("meta"):
+        model = fsdp_bf16_twin(LM().train())
+    idx = torch.empty(4, 128, dtype=torch.long, device="meta")
+    return quiet_planner(
+        model,
+        (idx, idx),
+        optimizer=torch.optim.AdamW(model.parameters()),
+        loss_fn=lambda loss: loss,
+        world_size=WORLD_SIZE,
+        sharding=sharding,
+        precision=precision,
+    )
+
+
+def _elements(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def test_fsdp_mixed_precision_keeps_float32_shards_and_gathers_bfloat16_units():
+    """NOTE [sharding: FSDP2 mixed precision]: the step is the bfloat16 model's; a rank
+    keeps float32 shards, gradient shards and AdamW state, gathers each unit in bfloat16,
+    and reduce-scatters each unit's bfloat16 gradients through a float32 input."""
+    policy, true = _bf16_planner("fsdp-bf16"), _bf16_planner("bf16-true")
+    model, n = policy.model, WORLD_SIZE
+    units = [model.get_submodule(u) for u in policy.sharding.units]
+    unit_elements = [_elements(u) for u in units]
+    root_elements = _elements(model) - sum(unit_elements)
+    kept, gathered = policy.rank_memory, true.rank_memory
+
+    def shard(nbytes: int) -> int:
+        return -(-nbytes // n)
+
+    float32_shards = sum(shard(4 * e) for e in unit_elements) + shard(4 * root_elements)
+    assert kept.parameters == kept.gradients == float32_shards
+    assert gathered.parameters == sum(shard(2 * e) for e in unit_elements) + shard(
+        2 * root_elements
+    )
+    # two units and the root gathered in bfloat16, as bf16-true gathers them
+    bf16_gathered = 2 * 2 * max(unit_elements) + 2 * root_elements
+    assert kept.gathered_parameters == gathered.gathered_parameters == bf16_gathered
+    # a unit's window: bfloat16 gradients, float32 reduce-scatter input and shard
+    windows = [2 * e + 4 * e + shard(4 * e) for e in unit_elements]
+    root_window = 4 * root_elements + shard(4 * root_elements)
+    assert kept.reduce_scatter == max([*windows, root_window])
+    assert gathered.reduce_scatter == max(
+        [2 * (2 * e) + shard(2 * e) for e in unit_elements]
+        + [2 * root_elements + shard(2 * root_elements)]
+    )
+    # AdamW steps the float32 shards: twice the state of a bfloat16 rank (shards rounded up)
+    assert abs(kept.optimizer_state - 2 * gathered.optimizer_state) <= 1
+    assert kept.static - gathered.static == (
+        kept.parameters - gathered.parameters + kept.optimizer_state - gathered.optimizer_state
+    )
+    # the same step, more kept: every plan of the policy peaks higher on a rank
+    assert policy.minimum_peak_bytes > true.minimum_peak_bytes
+    assert policy.no_checkpoint_peak_bytes - true.no_checkpoint_peak_bytes >= (
+        kept.static - gathered.static
+    )
+    plan = policy.optimize(budget_gb=policy.no_checkpoint_peak_bytes / GIB).plan
+    assert plan.rank_memory == kept and plan.predicted_peak_bytes <= plan.budget_bytes
+    assert "kept in float32 by FSDP2's mixed precision" in " ".join(plan.notes)
+
+
+def test_fsdp_mixed_precision_is_refused_without_fsdp_or_on_a_float32_model():
+    with pytest.raises(ShardingError, match="sharding='fsdp'"):
+        _bf16_planner("fsdp-bf16", sharding="ddp")
+    with torch.device("meta"):
+        model = LM().train()
+    idx = torch.empty(4, 128, dtype=torch.long, device="meta")
+    with pytest.raises(PrecisionError, match="fsdp_bf16_twin"):
+        quiet_planner(
+            model, (idx, idx), world_size=WORLD_SIZE, sharding="fsdp", precision="fsdp-bf16"
+        )

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -79,18 +80,35 @@ _KEY = re.compile(r"\[parameters=([\w,]*) autocast=([\w:,]*) cache=(on|off)\]")
 class Precision:
     """The precision a training step runs in: the floating dtypes of the model's parameters
     and every enabled autocast context (device type, dtype), sorted; ``autocast_cache`` is
-    whether autocast keeps its weight casts (``torch.is_autocast_cache_enabled``)."""
+    whether autocast keeps its weight casts (``torch.is_autocast_cache_enabled``).
+
+    ``kept``: the dtype a rank keeps the parameters in between steps when the step computes
+    with others (FSDP2's mixed precision: float32 shards gathered as bfloat16, NOTE
+    [precision: FSDP2 mixed precision]); only a request sets it (``fsdp-bf16``). It is
+    what the per-rank memory model counts, not the step, so :meth:`now`, a plan's note and
+    :meth:`key` leave it out, and the call check compares steps: a plan for the policy runs
+    on the planned bfloat16 model and on the float32 model FSDP2 gathers in bfloat16 alike.
+    Equality keeps it: planning's cache (autockpt/planning/cache.py) must not hand a
+    ``bf16-true`` preparation, whose leanest plan is another rank's, to this one."""
 
     parameters: tuple[str, ...]
     autocast: tuple[tuple[str, str], ...] = ()
     autocast_cache: bool = True
+    kept: str | None = None
 
     @staticmethod
     def now(model: nn.Module | None = None) -> Precision:
-        """The state in effect now, for ``model``'s parameters."""
+        """The state in effect now, for ``model``'s parameters: the dtypes the step computes
+        with, which under FSDP2's mixed precision are its ``param_dtype`` for the shards it
+        has not gathered (:func:`_fsdp_compute_dtypes`)."""
         dtypes = set()
         if model is not None:
-            dtypes = {_name(p.dtype) for p in model.parameters() if p.is_floating_point()}
+            gathered_as = _fsdp_compute_dtypes(model)
+            dtypes = {
+                _name(gathered_as.get(id(p), p.dtype))
+                for p in model.parameters()
+                if p.is_floating_point()
+            }
         return Precision(tuple(sorted(dtypes)), autocast_state(), torch.is_autocast_cache_enabled())
 
     def key(self) -> tuple[str, tuple[str, ...], tuple[tuple[str, str], ...], bool]:
@@ -102,6 +120,8 @@ class Precision:
     def describe(self) -> str:
         """``"float32 parameters under cpu bfloat16 autocast"`` and the like."""
         params = "/".join(self.parameters) or "no floating"
+        if self.kept is not None:
+            params += f" (kept in {self.kept} by FSDP2's mixed precision)"
         if not self.autocast:
             return f"{params} parameters without autocast"
         contexts = " and ".join(f"{device} {dtype}" for device, dtype in self.autocast)
@@ -167,10 +187,40 @@ PRECISIONS: dict[str, tuple[str, torch.dtype]] = {
     "bf16": ("mixed", torch.bfloat16),
     "16-mixed": ("mixed", torch.float16),
     "fp16": ("mixed", torch.float16),
+    "fsdp-bf16": ("fsdp", torch.bfloat16),
 }
 """The precisions planning takes by name (Lightning's names, and short forms): ``-mixed``
 is autocast at that dtype over the model's parameters, ``-true`` parameters of that dtype
-without autocast."""
+without autocast. ``fsdp-bf16`` is FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)``: the step of a bfloat16 model, kept as float32 shards (NOTE
+[precision: FSDP2 mixed precision])."""
+
+FSDP_KEPT = "float32"
+"""The dtype FSDP2's mixed precision (``fsdp-bf16``) keeps shards, gradient shards,
+optimizer state and reduce-scatters in."""
+
+
+# NOTE [precision: FSDP2 mixed precision]. Under FSDP2's
+# ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` (what
+# torchtitan trains with) a rank keeps float32 shards, float32 gradient shards and the
+# optimizer's float32 state; each unit is all-gathered as bfloat16, the forward and
+# backward compute in bfloat16 without autocast, and each unit's bfloat16 gradients are
+# cast into a float32 reduce-scatter input. The step is therefore a bfloat16 model's
+# (``bf16-true``'s) and only what a rank keeps differs. So it is planned as one:
+# ``precision="fsdp-bf16"`` takes the model with bfloat16 parameters, as ``bf16-true`` does
+# (``autockpt.distributed.fsdp_bf16_twin(model)``: bfloat16 parameters, buffers as FSDP2
+# leaves them; free on the meta device), plans its step, and the per-rank model
+# (autockpt/planning/sharding.py, NOTE [sharding: FSDP2 mixed precision]) counts shards,
+# gradient shards, optimizer state and reduce-scatters in float32. The plan applies to the
+# float32 model the user wraps (``autockpt.apply``): its graph is the twin's, and the call
+# check reads the dtype FSDP2 gathers each shard in (:func:`_fsdp_compute_dtypes`), so the
+# wrapped model runs the planned precision. Why a name and not a ``MixedPrecisionPolicy``
+# object: a policy has more knobs (fp16, ``output_dtype``, ``cast_forward_inputs``, a
+# bfloat16 reduction) that this model does not count; a name says the one case it does,
+# is checked like the other names, and is what a command line or a configuration file can
+# carry. Why the user converts and not the planner: one model per planner, as for
+# ``bf16-true``; a twin made inside would also be what ``optimize`` hands back, while the
+# model to train is the float32 one.
 
 
 def requested_precision(
@@ -192,12 +242,42 @@ def requested_precision(
     if kind == "mixed":
         return Precision(now.parameters, ((run_device_type, _name(dtype)),), True)
     if now.parameters and now.parameters != (_name(dtype),):
+        convert = (
+            "plan autockpt.distributed.fsdp_bf16_twin(model), bfloat16 parameters beside "
+            "float32 buffers as FSDP2 runs them, and apply the plan to the float32 model "
+            "you shard"
+            if kind == "fsdp"
+            else f"convert it first (model.to(torch.{_name(dtype)}); free on the meta device)"
+        )
         raise PrecisionError(
             f"precision={precision!r} plans {_name(dtype)} parameters and the model's are "
-            f"{'/'.join(now.parameters)}: convert it first (model.to(torch.{_name(dtype)}); free "
-            "on the meta device), or plan mixed precision (precision='bf16-mixed')"
+            f"{'/'.join(now.parameters)}: {convert}, or plan mixed precision "
+            "(precision='bf16-mixed')"
         )
-    return Precision(now.parameters, (), True)
+    return Precision(now.parameters, (), True, FSDP_KEPT if kind == "fsdp" else None)
+
+
+def _fsdp_compute_dtypes(model: nn.Module) -> dict[int, torch.dtype]:
+    """The dtype FSDP2 gathers each of ``model``'s sharded parameters in, by ``id``, for
+    the parameters of units with a mixed-precision ``param_dtype``: a unit not running
+    holds its float32 shards, and the step computes with their bfloat16 gathers (NOTE
+    [precision: FSDP2 mixed precision]). Empty without FSDP2 (not imported: nothing
+    wrapped)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return {}
+    found: dict[int, torch.dtype] = {}
+    for module in model.modules():
+        if not isinstance(module, fsdp.FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            dtype = group.mp_policy.param_dtype
+            if dtype is None:
+                continue
+            for param in group.fsdp_params:
+                if param.sharded_param.is_floating_point():
+                    found[id(param.sharded_param)] = dtype
+    return found
 
 
 def autocast_state() -> tuple[tuple[str, str], ...]:

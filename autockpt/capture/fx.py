@@ -24,7 +24,7 @@ from torch import nn
 from autockpt.base.inputs import Inputs
 from autockpt.base.rng import RngStates, rng_as_found
 from autockpt.capture.captured import Capture
-from autockpt.capture.guards import assert_guard
+from autockpt.capture.guards import raise_guard
 from autockpt.capture.watch import (
     _CHECKPOINT_WARNING,
     _GENERATOR_NAMES,
@@ -47,8 +47,9 @@ class _LeafTracer(fx.Tracer):
     Buffers are traced as attributes (``proxy_buffer_attributes``): code that slices a
     buffer by a size read from the input (a causal mask) then traces instead of failing.
     The condition of an ``assert`` in a submodule's code becomes a ``torch._assert`` guard
-    in the graph (:mod:`autockpt.capture.guards`), so a submodule that checks its input's
-    shape is traced through instead of becoming a leaf.
+    in the graph, and that of a raise on values (``if torch.isnan(x).any(): raise``) a
+    check of its own (:mod:`autockpt.capture.guards`), so a submodule that checks its input
+    is traced through instead of becoming a leaf.
     """
 
     proxy_buffer_attributes = True
@@ -128,11 +129,14 @@ class _LeafTracer(fx.Tracer):
                 self.running.pop()
 
     def to_bool(self, obj: fx.Proxy) -> bool:
-        # The condition of an assert in a submodule's code is a guard in the graph, not a
-        # branch (autockpt/capture/guards.py: why not in the root's own code); any other
-        # truth test of a traced value fails as before.
-        if self.running[-1] and assert_guard(self, obj):
-            return True
+        # The condition of an assert, or of a raise on values, in a submodule's code is a
+        # guard in the graph, not a branch (autockpt/capture/guards.py, NOTE [capture:
+        # checks on values]; why not in the root's own code): the trace goes on along the
+        # path that does not raise. Any other truth test of a traced value fails as before.
+        if self.running[-1]:
+            goes_on = raise_guard(self, obj)
+            if goes_on is not None:
+                return goes_on
         return super().to_bool(obj)
 
     def create_arg(self, a: Any) -> Any:

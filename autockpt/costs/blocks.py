@@ -71,7 +71,7 @@ is at least as cheap, under the time model the solver ranks by, as the share tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -148,6 +148,33 @@ def find_block_classes(model: nn.Module) -> tuple[RepeatedBlocks, ...]:
             best[block_type] = key
     ranked = sorted(best, key=lambda t: (-best[t][0], -best[t][1], best[t][2]))
     return tuple(_blocks_of(containers, block_type) for block_type in ranked)
+
+
+def blocks_inside_notes(model: nn.Module, leaves: Iterable[str]) -> list[str]:
+    """One note per leaf of the capture that holds repeated blocks (:func:`find_block_classes`),
+    naming them: a leaf runs as one call, so its blocks cannot be checkpointed one by one, and
+    the stated minimum may lie above checkpointing each of them by hand. Said, never silent
+    (what still makes a leaf: a branch on values or a draw in its own code, NOTE [capture:
+    checks on values])."""
+    classes = find_block_classes(model)
+    notes = []
+    for leaf in sorted(leaves):
+        inside = [
+            (kind.block_class, [c for c in kind.children if _within(c, leaf) and c != leaf])
+            for kind in classes
+        ]
+        named = "; ".join(
+            f"{paths[0]} ... {paths[-1]} ({len(paths)} x {name})"
+            for name, paths in inside
+            if len(paths) > 1
+        )
+        if named:
+            notes.append(
+                f"{leaf} runs as one call, so the repeated blocks inside it ({named}) cannot "
+                "be checkpointed one by one: the plan's minimum may lie above checkpointing "
+                "each of them by hand"
+            )
+    return notes
 
 
 def _ranks_before(key: tuple[int, int, str], other: tuple[int, int, str]) -> bool:

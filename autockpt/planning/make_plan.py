@@ -16,6 +16,7 @@ from autockpt.base.inputs import given_input_names
 from autockpt.base.runtime import DEFAULT_LOSS, loss_name
 from autockpt.capture.captured import node_module
 from autockpt.capture.watch import leaf_note
+from autockpt.costs.blocks import blocks_inside_notes
 from autockpt.costs.problem import Chain
 from autockpt.costs.profile import Profile
 from autockpt.costs.record import (
@@ -308,7 +309,8 @@ def _loss_note(name: str) -> str:
 
 def _requested_leaf_notes(prepared: Prepared) -> list[str]:
     """Why the leaves the request named are kept whole (the capture's own leaves say why in
-    its warnings), or that they are not: an export graph inlines every module call."""
+    its warnings, and here which repeated blocks they hide), or that they are not: an
+    export graph inlines every module call."""
     request, captured = prepared.request, prepared.capture
     kept = set(captured.leaf_modules)
     asked = [m for m in request.leaf_modules if m in kept]
@@ -324,6 +326,9 @@ def _requested_leaf_notes(prepared: Prepared) -> list[str]:
                 "parameters when the module is called, so segments hold whole units",
             )
         )
+    # the capture's own leaves: the repeated blocks each hides (autockpt/costs/blocks.py)
+    auto = [m for m in kept if m not in {*request.leaf_modules, *request.sharding.units}]
+    notes += blocks_inside_notes(prepared.model, sorted(auto))
     lost = [m for m in request.leaf_modules if m not in kept]
     if lost and captured.method == "export":
         notes.append(

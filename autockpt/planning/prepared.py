@@ -62,7 +62,7 @@ from autockpt.costs.timing import TIMING_PASSES
 from autockpt.errors import UnusualStateError
 from autockpt.plan import RankMemory
 from autockpt.planning.request import Phases, Request, logger
-from autockpt.planning.sharding import check_units_called, rank_problem
+from autockpt.planning.sharding import check_kept_precision, check_units_called, rank_problem
 from solvers import ChainProblem
 from solvers.replay import MemoryTrace
 
@@ -213,6 +213,7 @@ def prepare(
     next reads; split, the frozen record's fields would travel through four signatures."""
     sharding = request.sharding
     check_units_called(captured, sharding.units)
+    check_kept_precision(sharding, precision.kept)  # fsdp-bf16 needs FSDP ranks
     refuse_unusual_reads(model, captured)
     if reused is not None:
         phases.stop()
@@ -283,6 +284,7 @@ def prepare(
             inputs=prof.input_bytes,
             optimizer_state=resident.get(OPTIMIZER_STATE, 0),
             accumulated_gradients=resident.get(ACCUMULATED_GRADIENTS, 0),
+            kept_dtype=precision.kept,  # FSDP2's mixed precision keeps float32 shards
         )
         if request.scope == "total":  # sharding changes only what "activations" leaves out
             chain = dataclasses.replace(chain, problem=sharded)

@@ -43,6 +43,8 @@ Design (and why):
     input of the same size and the sharded output. Parameters outside every unit belong to
     the root, which FSDP2 does not reshard after forward: they are full-size for the whole
     step, and their gradients are full-size until the reduce-scatter that ends backward.
+    Under FSDP2's mixed precision a rank keeps float32 shards of a bfloat16 step (NOTE
+    [sharding: FSDP2 mixed precision]).
 * **The search judges a rank's peak** (NOTE [search: per-rank peaks], solvers/search.py):
   the rank problem built here and the single-process one travel with the replay as a
   :class:`solvers.search.RankShift`, so the search, the leanest plan (the stated minimum),
@@ -61,6 +63,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from autockpt.capture.captured import Capture
@@ -155,6 +158,19 @@ def _check_units(model: nn.Module, units: tuple[str, ...]) -> None:
                 )
 
 
+def check_kept_precision(sharding: Sharding, kept: str | None) -> None:
+    """A precision that keeps parameters in another dtype than the step's (``fsdp-bf16``,
+    :class:`~autockpt.base.precision.Precision`'s ``kept``) is FSDP2's mixed precision: it
+    describes sharded ranks only, so it needs ``sharding="fsdp"``."""
+    if kept is not None and sharding.mode != "fsdp":
+        raise ShardingError(
+            "precision='fsdp-bf16' plans FSDP2's MixedPrecisionPolicy (bfloat16 gathers of "
+            f"{kept} shards), which only FSDP2 ranks have: plan it with sharding='fsdp' and "
+            f"world_size (got sharding={sharding.mode!r}); for one process or DDP, plan "
+            "precision='bf16-true' or 'bf16-mixed'"
+        )
+
+
 def check_units_called(capture: Capture, units: tuple[str, ...]) -> None:
     """Every FSDP unit must be a ``call_module`` node of the capture: its hooks gather its
     parameters. A unit that is never called as a module (a container, a module called twice,
@@ -178,26 +194,45 @@ def check_units_called(capture: Capture, units: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class _ParamSplit:
-    """Parameter bytes of every unit and of the root (outside all units)."""
+    """Parameter bytes of every unit and of the root (outside all units), as the step
+    computes with them (``unit_bytes``, ``root_bytes``: what is gathered) and as a rank
+    keeps them (``unit_kept``, ``root_kept``: shards, gradient shards, reduce-scatters).
+    The two differ under FSDP2's mixed precision only (NOTE [sharding: FSDP2 mixed
+    precision]); ``kept_ratio`` is kept over computed bytes, for the optimizer's state."""
 
     unit_bytes: dict[str, int]
     root_bytes: int
+    unit_kept: dict[str, int]
+    root_kept: int
+
+    @property
+    def kept_ratio(self) -> float:
+        computed = sum(self.unit_bytes.values()) + self.root_bytes
+        kept = sum(self.unit_kept.values()) + self.root_kept
+        return kept / computed if computed else 1.0
 
 
-def _param_split(model: nn.Module, units: tuple[str, ...]) -> _ParamSplit:
+def _param_split(
+    model: nn.Module, units: tuple[str, ...], kept_dtype: torch.dtype | None = None
+) -> _ParamSplit:
+    """Bytes per unit and root; ``kept_dtype``: the dtype a rank keeps floating parameters
+    in when it is not the step's (None: the step's)."""
     owner: dict[int, str] = {}
     for unit in units:
         for p in model.get_submodule(unit).parameters():
             owner.setdefault(id(p), unit)
-    unit_bytes = dict.fromkeys(units, 0)
-    root = 0
+    unit_bytes, unit_kept = dict.fromkeys(units, 0), dict.fromkeys(units, 0)
+    root = root_kept = 0
     for p in {id(p): p for p in model.parameters()}.values():
         nbytes = p.numel() * p.element_size()
+        kept = p.numel() * kept_dtype.itemsize if kept_dtype and p.is_floating_point() else nbytes
         if id(p) in owner:
             unit_bytes[owner[id(p)]] += nbytes
+            unit_kept[owner[id(p)]] += kept
         else:
             root += nbytes
-    return _ParamSplit(unit_bytes, root)
+            root_kept += kept
+    return _ParamSplit(unit_bytes, root, unit_kept, root_kept)
 
 
 def _shard(nbytes: int, world_size: int) -> int:
@@ -223,6 +258,7 @@ def rank_problem(
     inputs: int,
     optimizer_state: int = 0,
     accumulated_gradients: int = 0,
+    kept_dtype: str | None = None,
 ) -> tuple[ChainProblem, RankMemory]:
     """The single-process chain ``problem`` rewritten for one rank under ``sharding``.
 
@@ -236,6 +272,10 @@ def rank_problem(
     covers the optimizer, or gradient accumulation) are whole on a DDP rank and a shard each
     on an FSDP rank (FSDP2 keeps sharded gradients between micro-batches, and its optimizer
     steps the shards).
+
+    ``kept_dtype``: the dtype an FSDP rank keeps its shards, gradient shards and optimizer
+    state in, when the step computes in another (a :class:`Precision`'s ``kept``: FSDP2's
+    mixed precision, NOTE [sharding: FSDP2 mixed precision]).
     """
     rest = problem.static_bytes - parameters  # buffers, inputs, output tail, resident
     if sharding.mode == "ddp":
@@ -259,6 +299,7 @@ def rank_problem(
         inputs=inputs,
         optimizer_state=optimizer_state,
         accumulated_gradients=accumulated_gradients,
+        kept_dtype=getattr(torch, kept_dtype) if kept_dtype else None,
     )
 
 
@@ -296,6 +337,23 @@ def _ddp_rank_problem(
     return problem, memory
 
 
+# NOTE [sharding: FSDP2 mixed precision]. Under ``MixedPrecisionPolicy(param_dtype=
+# torch.bfloat16, reduce_dtype=torch.float32)`` (``precision="fsdp-bf16"``, NOTE [precision:
+# FSDP2 mixed precision] in autockpt/base/precision.py) the planned model is the bfloat16
+# step, and a rank keeps more than that model's parameters say. Per unit of ``P`` bfloat16
+# bytes (``2 P`` in float32): the shard is ``2 P / N`` (float32), the gathered unit ``P``
+# (bfloat16, all-gathered from bfloat16 casts of the shards), the backward window ``P``
+# (bfloat16 unsharded gradients) ``+ 2 P`` (the float32 reduce-scatter input FSDP2 casts
+# them into, ``foreach_reduce``) ``+ 2 P / N`` (the float32 sharded output, which becomes
+# the gradient shard); the root alike, gathered in bfloat16 for the whole step. The
+# optimizer steps the float32 shards, so its state, planned on the bfloat16 model, is
+# counted at the float32 size (times the ratio of kept to computed parameter bytes), and
+# so are gradients a micro-batch accumulates. Buffers are not cast by FSDP2: plan a model
+# whose buffers are as they will be (``autockpt.distributed.fsdp_bf16_twin``). Checked on
+# two gloo ranks (tests/test_distributed.py, a GPT of 4 layers, width 64): resident 492,328
+# bytes measured against 492,288 predicted, peak 1,982,024 against 2,280,200 predicted (two
+# gathered units and the windows are counted for whole stages), gradients equal to FSDP2's
+# alone under the same policy.
 def _fsdp_rank_problem(
     problem: ChainProblem,
     rest: int,
@@ -308,32 +366,32 @@ def _fsdp_rank_problem(
     inputs: int,
     optimizer_state: int,
     accumulated_gradients: int,
+    kept_dtype: torch.dtype | None,
 ) -> tuple[ChainProblem, RankMemory]:
     """One FSDP2 rank: sharded units and state, plus two units gathered in full."""
     n = sharding.world_size
-    split = _param_split(model, sharding.units)
+    split = _param_split(model, sharding.units, kept_dtype)
     largest = max(split.unit_bytes.values(), default=0)
-    local_params = sum(_shard(b, n) for b in split.unit_bytes.values()) + _shard(
-        split.root_bytes, n
-    )
+    # shards, and the gradient shards after each reduce-scatter: in the kept dtype
+    local_params = sum(_shard(b, n) for b in split.unit_kept.values()) + _shard(split.root_kept, n)
     gathered = 2 * largest + split.root_bytes  # current + prefetched unit; the root stays full
-    sharded_resident = rank_share(optimizer_state, sharding) + rank_share(
-        accumulated_gradients, sharding
-    )
+    # the optimizer steps the kept shards: its state (and accumulated gradients) in their dtype
+    kept_state = round(optimizer_state * split.kept_ratio)
+    kept_accumulated = round(accumulated_gradients * split.kept_ratio)
+    sharded_resident = rank_share(kept_state, sharding) + rank_share(kept_accumulated, sharding)
     rest -= optimizer_state + accumulated_gradients - sharded_resident
     grads, transient = _fsdp_stage_terms(problem, stages, capture, split, n)
     memory = RankMemory(
         parameters=local_params,
-        gradients=sum(_shard(b, n) for b in split.unit_bytes.values())
-        + _shard(split.root_bytes, n),
+        gradients=local_params,
         buckets=0,
         gathered_parameters=gathered,
         reduce_scatter=max(
-            [2 * b + _shard(b, n) for b in split.unit_bytes.values()]
-            + [split.root_bytes + _shard(split.root_bytes, n)]
+            [_unit_window(split.unit_bytes[u], split.unit_kept[u], n) for u in split.unit_bytes]
+            + [split.root_kept + _shard(split.root_kept, n)]
         ),
-        static=local_params + buffers + inputs + _shard(optimizer_state, n),
-        optimizer_state=_shard(optimizer_state, n),
+        static=local_params + buffers + inputs + _shard(kept_state, n),
+        optimizer_state=_shard(kept_state, n),
     )
     problem = dataclasses.replace(
         problem,
@@ -342,6 +400,13 @@ def _fsdp_rank_problem(
         transient_bytes=tuple(transient),
     )
     return problem, memory
+
+
+def _unit_window(computed: int, kept: int, n: int) -> int:
+    """A unit's reduce-scatter window: its unsharded gradients (the step's dtype), the flat
+    reduce-scatter input and the sharded output (the kept dtype: FSDP2 casts the gradients
+    into the input, allocated in its ``reduce_dtype``)."""
+    return computed + kept + _shard(kept, n)
 
 
 def _fsdp_stage_terms(
@@ -368,19 +433,19 @@ def _fsdp_stage_terms(
             if unit is not None:
                 size = split.unit_bytes[unit]
                 unit_grads += size
-                window = max(window, 2 * size + _shard(size, n))
+                window = max(window, _unit_window(size, split.unit_kept[unit], n))
         # Unit gradients persist as shards; root gradients stay full until the end.
         grads[k] = (
             grads[k]
             - unit_grads
             + sum(
-                _shard(split.unit_bytes[unit_of_node[i]], n)
+                _shard(split.unit_kept[unit_of_node[i]], n)
                 for i in range(start, end)
                 if i in unit_of_node
             )
         )
         transient[k] += window
     # The root's reduce-scatter ends backward: a flat copy of its gradients plus the shard.
-    transient[0] += split.root_bytes + _shard(split.root_bytes, n)
-    grads[0] += _shard(split.root_bytes, n)
+    transient[0] += split.root_kept + _shard(split.root_kept, n)
+    grads[0] += _shard(split.root_kept, n)
     return grads, transient

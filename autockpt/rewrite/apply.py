@@ -27,7 +27,7 @@ from autockpt.base.inputs import Inputs, given_input_names
 from autockpt.base.runtime import as_found, training_mode, warn_if_eval
 from autockpt.capture.captured import Capture
 from autockpt.capture.front import capture
-from autockpt.distributed import check_not_wrapped
+from autockpt.distributed import check_not_wrapped, release_planning_garbage
 from autockpt.errors import AutockptError, CompileError, PlanMismatchError
 from autockpt.plan import Plan
 from autockpt.rewrite.graph import rewrite
@@ -198,10 +198,13 @@ def compiled_backend(module: nn.Module) -> Any:
 
 def apply_plan(model: nn.Module, plan: Plan, example_inputs: Any = None) -> nn.Module:
     """``autockpt.apply``: re-apply a saved plan to ``model`` without profiling or solving,
-    leaving the model, the inputs and the random generators as found."""
+    leaving the model, the inputs and the random generators as found, and no garbage of
+    the capture holding its tensors (NOTE [distributed: garbage holding full parameters])."""
     check_model(model)
     with as_found(model, () if example_inputs is None else example_inputs):
-        return _apply(model, plan, example_inputs)
+        result = _apply(model, plan, example_inputs)
+    release_planning_garbage(plan)
+    return result
 
 
 def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
