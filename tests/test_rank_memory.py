@@ -54,9 +54,11 @@ class LM(nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), target.flatten())
 
 
-def _planner(sharding: str):
+def _planner(sharding: str, precision: str | None = None, bf16: bool = False):
+    """The LM on meta with AdamW; ``bf16``: with bfloat16 parameters (as ``bf16-true`` and
+    ``fsdp-bf16`` take it)."""
     with torch.device("meta"):
-        model = LM().train()
+        model = fsdp_bf16_twin(LM().train()) if bf16 else LM().train()
     idx = torch.empty(4, 128, dtype=torch.long, device="meta")
     return quiet_planner(
         model,
@@ -65,6 +67,7 @@ def _planner(sharding: str):
         loss_fn=lambda loss: loss,
         world_size=WORLD_SIZE,
         sharding=sharding,
+        precision=precision,
     )
 
 
@@ -150,20 +153,7 @@ def test_the_breakdown_is_a_ranks(sharding, fsdp, ddp):
 
 
 def _bf16_planner(precision: str, sharding: str = "fsdp"):
-    """The LM with bfloat16 parameters on meta (as ``bf16-true`` and ``fsdp-bf16`` take
-    it), with AdamW."""
-    with torch.device("meta"):
-        model = fsdp_bf16_twin(LM().train())
-    idx = torch.empty(4, 128, dtype=torch.long, device="meta")
-    return quiet_planner(
-        model,
-        (idx, idx),
-        optimizer=torch.optim.AdamW(model.parameters()),
-        loss_fn=lambda loss: loss,
-        world_size=WORLD_SIZE,
-        sharding=sharding,
-        precision=precision,
-    )
+    return _planner(sharding, precision, bf16=True)
 
 
 def _elements(module: nn.Module) -> int:
