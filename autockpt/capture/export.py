@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from autockpt.base.inputs import Inputs
-from autockpt.base.rng import rng_as_found
+from autockpt.base.rng import RngStates, rng_as_found
 from autockpt.base.runtime import caches_as_found
 from autockpt.capture.captured import Capture
 from autockpt.capture.on_device import on_meta_again, traced_as_device
@@ -35,6 +35,7 @@ from autockpt.capture.watch import (
     _GENERATOR_NAMES,
     _CheckpointSeen,
     _definition,
+    _outside_dispatch_modes,
     _Sighting,
     _Unfaithful,
     _unique,
@@ -116,15 +117,61 @@ def _export_watched(
     (:func:`_export_dynamic`): export's shape reasoning makes many Python calls in SymPy,
     and a profile hook on each of them more than quadrupled its time (tiny GPT-2: 1.0 s,
     4.5 s watched). The model's code runs the same way in both (the same example inputs):
-    what the first saw holds for the second."""
+    what the first saw holds for the second. The watch, and the generators' comparison,
+    cover the model's call alone (:class:`_WatchedCall`), not export's passes after it."""
     seen = _CheckpointSeen()
     watch = _Watch(seen, model=model)
-    with rng_as_found() as found, warnings.catch_warnings(), _quiet_torch_logs(), watch:
+    call = _WatchedCall(watch)
+    with rng_as_found(), warnings.catch_warnings(), _quiet_torch_logs():
         warnings.simplefilter("ignore")
-        exported = _export(model, inputs, None, dropped, module_calls)
-        moved = found.changed()
-    _check_export_kept(model, watch, moved, fx_failure)
+        exported = _export(model, inputs, None, dropped, module_calls, call)
+    _check_export_kept(model, watch, tuple(call.moved), fx_failure)
     return exported, watch, seen
+
+
+class _WatchedCall:
+    """The watch over the model's own call while export traces it: entered by a forward
+    pre-hook registered first, left by a forward hook that runs last and also when the call
+    raises, so the root's hooks and forward are watched and export's passes after the call
+    are not. ``moved`` lists the global generators the call moved (compared as real
+    tensors under export's modes).
+
+    Why the call alone: export's passes after tracing (turning grad-mode regions into
+    higher-order ops, naming, runtime asserts) are torch's Python, where the profile hook
+    only costs: on a 2,924-node U-Net they took three times as long watched (17.6% of the
+    capture's samples, against 5.5% in the unwatched second export; 5.2% since). Nothing
+    there is the model's: a generator one of them moves is not the model's draw either."""
+
+    def __init__(self, watch: _Watch) -> None:
+        self.watch = watch
+        self.moved: list[str] = []
+        self._before: list[RngStates] = []
+
+    @contextlib.contextmanager
+    def around(self, model: nn.Module) -> Iterator[None]:
+        """The hooks on ``model`` until exit."""
+        enter = model.register_forward_pre_hook(self._enter, prepend=True)
+        leave = model.register_forward_hook(self._leave, always_call=True)
+        try:
+            yield
+        finally:
+            enter.remove()
+            leave.remove()
+            while self._before:  # a call that left without its hook (never, in torch 2.14)
+                self._leave(model, (), None)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        with _outside_dispatch_modes():
+            self._before.append(RngStates.now())
+        self.watch.__enter__()
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._before:
+            return
+        self.watch.__exit__(None, None, None)
+        with _outside_dispatch_modes():
+            moved = self._before.pop().changed()
+        self.moved.extend(g for g in moved if g not in self.moved)
 
 
 def _export_dynamic(
@@ -340,17 +387,21 @@ def _export(
     dynamic: Any | None,
     dropped: list[str],
     module_calls: tuple[str, ...] = (),
+    watched: _WatchedCall | None = None,
 ) -> torch.export.ExportedProgram:
     """``torch.export.export(strict=False)``, retried once with outputs export cannot
     carry (a key/value cache object a model returns with use_cache on) left out (their
     class names are appended to ``dropped``); anything else fails the same way again, and
     the first error stands. The calls of ``module_calls`` keep their signatures (NOTE
-    [capture: module calls]); without any, export is called exactly as before."""
+    [capture: module calls]); without any, export is called exactly as before. ``watched``:
+    the model's call is watched (:class:`_WatchedCall`)."""
     preserved = {"preserve_module_call_signature": module_calls} if module_calls else {}
 
     def run() -> torch.export.ExportedProgram:
         # tracing runs the model's code on fake tensors: caches it fills hold fakes
-        with contextlib.ExitStack() as stack, caches_as_found(model):
+        with contextlib.ExitStack() as stack, caches_as_found(model), _inlined_unrecompiled():
+            if watched is not None:
+                stack.enter_context(watched.around(model))
             if dynamic is not None:  # the spec is for the forward as this shows it
                 stack.enter_context(_size_oblivious())
                 stack.enter_context(_keywords_as_parameters(model, inputs))
@@ -374,6 +425,69 @@ def _export(
                 return run()
         except Exception:  # noqa: BLE001
             raise error from None
+
+
+@contextlib.contextmanager
+def _inlined_unrecompiled() -> Iterator[None]:
+    """While exporting, export's passes that turn grad-mode and autocast regions into
+    higher-order ops inline each region they keep inline without recompiling the whole
+    graph module after each one.
+
+    NOTE [export: one recompile per split]. Those passes (``replace_set_grad_with_hop_pass``,
+    ``replace_autocast_with_hop_pass``, torch 2.14) split the graph at every region, then
+    inline the regions back one by one with ``node_inline_``, which ends with
+    ``gm.recompile()``: Python code generated for the whole graph and for every remaining
+    split piece, after every region. A model with a ``no_grad`` block in each layer (the
+    forced weight normalisation of EDM2's U-Net: lucidrains' ``KarrasUnet``, 4.3M
+    parameters, 2,924 nodes, ~200 regions) spent 70% of its capture there: 216-278 s on
+    one CPU thread, against an eager step of 0.4-1.3 s. The pass's own helper recompiles
+    the module once after inlining them all
+    (``_sequential_split_and_maybe_inline_subgraphs_helper``), and nothing between reads
+    the generated code, so each inline's recompile is skipped: the graph is the same node
+    for node (the same fingerprint), and that capture took 92-99 s (37-46 s with the watch
+    on the model's call alone, :class:`_WatchedCall`). Where those private names are
+    missing (another torch), export runs as it is."""
+    try:
+        from torch._export.passes import replace_autocast_with_hop_pass as autocast_pass
+        from torch._export.passes import replace_set_grad_with_hop_pass as grad_pass
+        from torch._export.passes import replace_with_hop_pass_util as util
+    except ImportError:  # pragma: no cover - another torch: export as it is
+        yield
+        return
+    passes = [
+        p
+        for p in (grad_pass, autocast_pass)
+        if callable(getattr(p, "node_inline_", None))
+        # not while another export (another thread) holds it: that one puts it back
+        and not isinstance(p.node_inline_, functools.partial)
+    ]
+    if not passes or not hasattr(util, "_sequential_split_and_maybe_inline_subgraphs_helper"):
+        yield  # pragma: no cover
+        return
+    originals = [p.node_inline_ for p in passes]
+
+    def inline(node: fx.Node, original: Callable[[fx.Node], Any]) -> Any:
+        gm = node.graph.owning_module
+        if gm is None or "recompile" in vars(gm):
+            return original(node)
+        vars(gm)["recompile"] = _recompiled_later
+        try:
+            return original(node)
+        finally:
+            del vars(gm)["recompile"]
+
+    for p, original in zip(passes, originals, strict=True):
+        p.node_inline_ = functools.partial(inline, original=original)
+    try:
+        yield
+    finally:
+        for p, original in zip(passes, originals, strict=True):
+            p.node_inline_ = original
+
+
+def _recompiled_later() -> None:
+    """A graph module's ``recompile`` while export's pass inlines its regions (NOTE [export:
+    one recompile per split]): the pass recompiles it once after the last."""
 
 
 _Size = int | tuple[int, int | None]
@@ -539,11 +653,11 @@ def _check_export_kept(
     """Refuse an export graph that does not run what the model runs. Export traces on fake
     tensors, so a torch draw stays an operator of the graph, but a draw from Python's
     ``random`` or NumPy runs once and its value is baked in (any generator that moved
-    while exporting drew for real). A mode switch that changes nothing while export traces
-    (``enable_grad`` with grad already on, matters only under a caller's ``no_grad``) and
-    ``inference_mode`` leave no trace in its graph; ``no_grad`` and ``set_grad_enabled``
-    regions that do change the mode are kept (``wrap_with_set_grad_enabled``), as are
-    ``autocast`` regions."""
+    while export traced the model's call drew for real: ``moved``). A mode switch that
+    changes nothing while export traces (``enable_grad`` with grad already on, matters only
+    under a caller's ``no_grad``) and ``inference_mode`` leave no trace in its graph;
+    ``no_grad`` and ``set_grad_enabled`` regions that do change the mode are kept
+    (``wrap_with_set_grad_enabled``), as are ``autocast`` regions."""
     in_root = isinstance(fx_failure, tuple) and not fx_failure[0]
     drawn = {d.generator for d in watch.draws}
     moved = tuple(g for g in moved if g not in watch.internal or g in drawn)
