@@ -148,6 +148,26 @@ def test_the_command_line_plans_for_a_target_before_launch(tmp_path):
     assert_user_error(refused, 3, "at least")
 
 
+def test_the_command_line_plans_fsdp2_mixed_precision_for_the_float32_model(tmp_path):
+    """`--precision fsdp-bf16`: the factory's float32 model planned as FSDP2's bfloat16
+    policy runs it (its bfloat16 twin), so each rank keeps float32 shards and state of the
+    model the run wraps; without FSDP ranks it is refused in one line, before any work."""
+    from autockpt.zoo import gpt
+    from tests.test_cli import assert_user_error, run
+
+    path = tmp_path / "plan.json"
+    args = ("plan", "autockpt.zoo:gpt", "--target", "h100", "--precision", "fsdp-bf16")
+    done = run(*args, "--world-size", "4", "--sharding", "fsdp", "--optimizer", "adamw",
+               "-o", str(path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = autockpt.Plan.load(path)
+    fp32 = sum(p.nbytes for p in gpt()[0].parameters())
+    assert plan.rank_memory.parameters == fp32 // 4  # float32 shards of the float32 model
+    assert plan.rank_memory.optimizer_state >= 2 * fp32 // 4  # AdamW's two float32 moments
+    assert any("kept in float32 by FSDP2's mixed precision" in note for note in plan.notes)
+    assert_user_error(run(*args, "-o", str(path)), 2, "sharding='fsdp'")
+
+
 def test_fit_batch_sizes_a_meta_model_per_rank_for_a_target():
     """The largest batch per rank for the device the run uses, with no device: a meta GPT,
     FSDP over 4 ranks, bf16 autocast on an L4; the answer's plan is for that target and its

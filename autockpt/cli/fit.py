@@ -21,6 +21,7 @@ from autockpt.cli.options import (
     _positive_float,
     _positive_int,
     _target_options,
+    planned_model,
 )
 from autockpt.cli.output import _default_loss_note, _write
 from autockpt.cli.progress import Progress
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     # size in it (--loss: one loss for every size)
     called = {args.multiple_of: _call_factory(args.spec, factory, args.multiple_of, loss=args.loss)}
     model, _, loss_fn = called[args.multiple_of]
+    model = planned_model(model, args.precision)
 
     _default_loss_note(args, loss_fn)
 

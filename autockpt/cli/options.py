@@ -25,7 +25,7 @@ OPTIMIZERS = {
 
 
 TARGET_NAMES = ("h100", "h200", "a100", "l4", "mi300x")  # autockpt.TARGETS, without torch
-PRECISION_NAMES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+PRECISION_NAMES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "fsdp-bf16")
 
 
 def _target_options(command: argparse.ArgumentParser) -> None:
@@ -43,9 +43,23 @@ def _target_options(command: argparse.ArgumentParser) -> None:
         choices=PRECISION_NAMES,
         default=None,
         help="the precision the run trains in: -mixed is autocast on the target's device "
-        "over the model's parameters, -true parameters of that dtype (build them so); "
-        "default: float32 without autocast",
+        "over the model's parameters, -true parameters of that dtype (build them so), "
+        "fsdp-bf16 FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) "
+        "over the float32 model (with --sharding fsdp); default: float32 without autocast",
     )
+
+
+def planned_model(model: Any, precision: str | None) -> Any:
+    """The model the planner is given for ``--precision``: the factory's own, or for
+    ``fsdp-bf16`` its bfloat16 twin (``autockpt.distributed.fsdp_bf16_twin``: what FSDP2's
+    policy computes with, buffers as they are; nothing allocated on meta). The plan applies
+    to the float32 model the run wraps (docs/distributed.md); the optimizer is built over
+    the twin, whose float32 state the per-rank model counts."""
+    if precision != "fsdp-bf16":
+        return model
+    from autockpt.distributed import fsdp_bf16_twin
+
+    return fsdp_bf16_twin(model)
 
 
 def _positive_float(text: str) -> float:

@@ -18,6 +18,7 @@ from autockpt.cli.options import (
     _iteration_options,
     _positive_float,
     _target_options,
+    planned_model,
 )
 from autockpt.cli.output import _default_loss_note, _say, _write
 from autockpt.cli.progress import Progress
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, inputs, loss_fn = load_spec(args.spec, args.loss)
     _default_loss_note(args, loss_fn)
+    model = planned_model(model, args.precision)
     units = None if args.fsdp_units is None else [u for u in args.fsdp_units.split(",") if u]
     with Progress.for_args(args) as progress:
         planner = Planner(
