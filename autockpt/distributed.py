@@ -35,6 +35,7 @@ from torch import nn
 
 from autockpt.base.allocations import allocator_events, quiet_native_stderr
 from autockpt.base.inputs import Inputs
+from autockpt.base.precision import Precision
 from autockpt.base.runtime import LossFn, clear_grads, default_loss
 from autockpt.errors import ShardingError
 from autockpt.plan import Plan
@@ -148,6 +149,25 @@ def fsdp_bf16_twin(model: nn.Module) -> nn.Module:
             twin = nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
             twins[id(p)] = twin
     return copy.deepcopy(model, twins)
+
+
+def step_model(model: nn.Module, plan: Plan) -> nn.Module:
+    """The model whose step ``plan``'s graph is: ``model`` itself, or, for a plan of FSDP2's
+    mixed precision (``fsdp-bf16``) applied to the float32 model the run wraps, its
+    bfloat16 twin (:func:`fsdp_bf16_twin`).
+
+    Why: a ``torch.export`` graph writes dtypes into its operators (Hugging Face's RMSNorm
+    casts back to its input's dtype, rotary tables to the activations'), so the float32
+    model's graph is not the planned one, and run between the units FSDP2 gathers in
+    bfloat16 it would compute in float32. The twin is only captured: the result calls
+    ``model``'s own parameters by name, which FSDP2 gathers in bfloat16. It costs a
+    bfloat16 copy of the parameters while the graph is captured (nothing on meta)."""
+    planned = Precision.from_notes(plan.notes, with_kept=True)
+    if planned is None or planned.kept is None:
+        return model
+    if Precision.now(model).parameters == planned.parameters:
+        return model  # already what the policy computes with (the twin itself)
+    return fsdp_bf16_twin(model)
 
 
 _RECENT = 24
@@ -322,6 +342,7 @@ def measure_rank(
     build: Callable[[], tuple[nn.Module, Any]],
     *,
     loss_fn: LossFn | None = None,
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
     warmup: int = 2,
     device: str = "cpu",
 ) -> tuple[nn.Module, Inputs, RankMeasurement]:
@@ -339,20 +360,35 @@ def measure_rank(
     Under a process group every rank must call it (as every rank steps): the warm-up ends in
     a barrier (:func:`_wait_for_collectives`). ``device="cuda"``: the caching allocator's
     counters.
+
+    ``optimizer``: a factory of the training loop's optimizer over the wrapped model (its
+    sharded parameters under FSDP2), called right after ``build`` inside the measurement.
+    Each step is then the whole iteration a plan with an optimizer budgets: forward,
+    backward and ``optimizer.step()``, gradients set to None after it; the warm-up makes the
+    optimizer's state, so ``resident_bytes`` holds it (steady state, as the plan counts).
     """
     from torch.profiler import ProfilerActivity, profile
 
     loss_fn = loss_fn or default_loss
+    stepping: list[torch.optim.Optimizer] = []
+
+    def built() -> tuple[nn.Module, Any]:
+        model, raw = build()
+        if optimizer is not None:
+            stepping.append(optimizer(model))
+        return model, raw
 
     def step(model: nn.Module, inputs: Inputs) -> None:
         loss_fn(model(*inputs.args, **inputs.kwargs)).backward()
+        for each in stepping:
+            each.step()
 
     def session() -> Any:
         return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
 
     if torch.device(device).type == "cuda":
         base = torch.cuda.memory_allocated()
-        model, raw = build()
+        model, raw = built()
         inputs = Inputs.of(raw)
         for _ in range(warmup):
             step(model, inputs)
@@ -366,7 +402,7 @@ def measure_rank(
         clear_grads(model)
     else:
         with _allocator_totals_on_every_thread():
-            peak, resident, model, inputs = _measure_cpu(build, step, session, warmup)
+            peak, resident, model, inputs = _measure_cpu(built, step, session, warmup)
     rank, size = 0, 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()

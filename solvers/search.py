@@ -103,67 +103,162 @@ _WINDOW = 6  # stages re-planned together by the window move (count_plans(6) = 2
 
 @dataclass(frozen=True)
 class RankShift:
-    """What one rank's peak differs from one process's, plan by plan: the stage model's
-    (:mod:`solvers.chain`) peak of the plan for one rank (``rank``) minus its peak for one
-    unsharded process (``single``).
+    """What one rank's peak differs from one process's, event by event: the stage model's
+    (:mod:`solvers.chain`) terms for one rank (``rank``) against those for one unsharded
+    process (``single``).
 
     NOTE [search: per-rank peaks]. A sharded engine changes what a rank keeps besides the
     activations (parameters, gradients and optimizer state sharded ``N`` ways, gathered
-    units, gradient buckets): only the static, gradient and transient terms of the stage
-    model, never its saved or input bytes (one rank runs one batch). The replay records one
-    unsharded step, so a rank's peak is the replay's plus this shift: what the user's
-    prediction states (``autockpt/planning/predict.py``). The search takes the shift as
-    data and judges every plan by the sum, so the plan it finds for a per-rank budget, and
-    the leanest plan, are those of the per-rank peak: the shift is plan-dependent (the
-    event that peaks moves), and a search of the single-process replay at a translated
-    budget (an iteration to a fixed point) is neither exact nor sure to stop at the best
-    plan. Why the shift is bounded the way :attr:`least_bytes` says: every event of a plan
-    is the same event in both problems, and differs between them by an amount that depends
-    only on which event it is, so the shift is at least the least of those amounts over all
-    events any plan has; the branch and bound adds it to the replay's lower bound of a
-    prefix, which stays a lower bound of every completion."""
+    units, gradient buckets, reduce-scatter windows): only the static, gradient and
+    transient terms of the stage model, never its saved or input bytes (one rank runs one
+    batch). So every moment of a step differs between a rank and one process by an amount
+    that depends only on which event of the step it is (:meth:`difference`): the static
+    part, the transient of the stage running, and in the backward the gradients made so
+    far. The replay records one unsharded step; a rank's peak is the highest moment of the
+    replay with its event's difference added (:meth:`peak`), which is what the search
+    judges every plan by and what the plan states. Why not one shift per plan (the rank
+    model's peak minus the single one's, added to the replay's peak), as before: the two
+    peaks may be other events than the replay's (a rank peaks at the root's reduce-scatter
+    at the end of backward, one process at the loss), and the search then found plans that
+    lowered the shift without lowering the rank's peak (a Hugging Face Llama on two gloo
+    ranks, predicted 37.8 MiB, measured 43.0). Why the lower bound :attr:`least_bytes` is
+    one: every difference is at least it."""
 
     rank: ChainProblem
     single: ChainProblem
+    windows: tuple[int, ...] = ()
+    """Per stage, the part of the rank's transient that only its backward holds (FSDP2's
+    reduce-scatter of a unit's gradients); the stage model counts it in both phases, a
+    forward or recompute of the stage here does not. Empty: none."""
+    end_bytes: int = 0
+    """What a rank holds more than its gradients and static part say when its backward
+    ends (FSDP2's root reduce-scatter, after every gathered parameter is resharded): a
+    moment of its own (:meth:`difference` ``"end"``)."""
+    optimizer_bytes: int = 0
+    """What a rank holds more at the optimizer's step than its gradients and static part
+    say (the root's gradient shards instead of its full gradients, nothing gathered)."""
 
     def __post_init__(self) -> None:
         if self.rank.num_stages != self.single.num_stages:
             raise ValueError("rank and single problems need the same stages")
+        if self.windows and len(self.windows) != self.rank.num_stages:
+            raise ValueError("windows needs one entry per stage (or none)")
         if (
             self.rank.saved_bytes != self.single.saved_bytes
             or self.rank.input_bytes != self.single.input_bytes
         ):
             raise ValueError("a rank keeps the activations of one process: saved and input bytes")
 
-    def __call__(self, segments: Sequence[tuple[int, int]]) -> int:
-        """Per-rank minus single-process stage-model peak of a plan (stage ranges)."""
-        return (
-            proxy_simulate(self.rank, segments).peak_bytes
-            - proxy_simulate(self.single, segments).peak_bytes
+    @functools.cached_property
+    def _terms(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(static difference, per-stage transient difference, per-stage difference of the
+        gradients made from that stage to the end: ``G(k) = sum_{m >= k} g_m``, ``G(L) = 0``)."""
+        rank, single = self.rank, self.single
+        n = rank.num_stages
+        gradients = [0] * (n + 1)
+        for k in range(n - 1, -1, -1):
+            gradients[k] = gradients[k + 1] + rank.param_grad_bytes[k] - single.param_grad_bytes[k]
+        transient = tuple(
+            r - s for r, s in zip(rank.transient_bytes, single.transient_bytes, strict=True)
         )
+        return rank.static_bytes - single.static_bytes, transient, tuple(gradients)
+
+    def difference(self, phase: str, stage: int, end: int = -1) -> int:
+        """A rank's bytes minus one process's at one event of the step: the forward of
+        ``stage`` (also the prologue, the loss and the loss's own backward, before any
+        gradient: the last stage's), its ``backward``, its ``recompute`` inside a segment
+        ending at stage ``end`` (whose gradients wait), the ``end`` of backward (every
+        gradient made, :attr:`end_bytes`) or the ``optimizer`` step."""
+        static, transient, gradients = self._terms
+        window = self.windows[stage] if self.windows else 0
+        if phase == "optimizer":
+            return static + gradients[0] + self.optimizer_bytes
+        if phase == "end":
+            return static + gradients[0] + self.end_bytes
+        if phase == "backward":
+            return static + transient[stage] + gradients[stage]
+        if phase == "recompute":
+            return static + transient[stage] - window + gradients[end]
+        return static + transient[stage] - window
+
+    def peak(
+        self,
+        slots: Iterable[tuple[str, int, int]],
+        segments: Sequence[tuple[int, int]],
+        stages: Sequence[tuple[int, int]],
+    ) -> int:
+        """One rank's peak of a plan (stage ranges ``segments``) from its replay's slots
+        (:meth:`solvers.replay.Replayer.timeline`: phase, node, highest bytes): the highest
+        slot with its event's :meth:`difference` added. A recompute slot covers its whole
+        segment, so it takes the segment's largest difference."""
+        return max(self.moments(slots, segments, stages), default=0)
+
+    def moments(
+        self,
+        slots: Iterable[tuple[str, int, int]],
+        segments: Sequence[tuple[int, int]],
+        stages: Sequence[tuple[int, int]],
+    ) -> list[int]:
+        """Each slot's bytes on one rank (:meth:`peak`'s terms, in the slots' order)."""
+        slots = list(slots)
+        stage_of = _stage_of_node(tuple(stages))
+        last = len(stages) - 1
+        by_first = {stages[start][0]: (start, end) for start, end in segments}
+        # A stage whose backward has no slot of its own (an embedding's, whose gradient
+        # autograd accumulates in the next slot's window; the root's reduce-scatter, which
+        # ends backward after every node's) is counted in the backward slot that follows
+        # it in time: each backward slot covers the stages down to the next one's.
+        backward = [
+            i for i, (phase, node, _) in enumerate(slots) if phase == "backward" and node >= 0
+        ]
+        covers: dict[int, range] = {}
+        upper = last
+        for j, i in enumerate(backward):
+            lower = stage_of[slots[backward[j + 1]][1]] + 1 if j + 1 < len(backward) else 0
+            covers[i] = range(
+                min(lower, stage_of[slots[i][1]]), max(upper, stage_of[slots[i][1]]) + 1
+            )
+            upper = lower - 1
+        found = []
+        for i, (phase, node, value) in enumerate(slots):
+            if phase == "recompute":
+                start, end = by_first[node]
+                extra = max(self.difference(phase, m, end) for m in range(start, end))
+            elif phase == "optimizer":
+                extra = self.difference(phase, 0)
+            elif i in covers:
+                extra = max(self.difference(phase, m) for m in covers[i])
+                if covers[i].start == 0:  # the last backward slot: the backward ends in it
+                    extra = max(extra, self.difference("end", 0))
+            elif node >= 0 and phase in ("prologue", "forward"):
+                extra = self.difference("forward", stage_of[node])
+            else:  # the loss and its own backward: after the forward, before any gradient
+                extra = self.difference("forward", last)
+            found.append(value + extra)
+        return found
 
     @functools.cached_property
     def least_bytes(self) -> int:
-        """A lower bound of the shift over every plan: the least per-event difference of
-        the two problems over every event a plan can have (:mod:`solvers.chain`'s events:
-        a forward of stage ``m`` differs by the static and transient terms, its backward
-        also by ``G(m)``, a recompute of it by ``G(j)`` of the segment's end ``j > m``)."""
-        rank, single = self.rank, self.single
-        n = rank.num_stages
-        gradients = [0] * (n + 1)  # the difference of G(k) = sum_{m >= k} g_m
-        for k in range(n - 1, -1, -1):
-            gradients[k] = gradients[k + 1] + rank.param_grad_bytes[k] - single.param_grad_bytes[k]
-        least_after = [0] * (n + 1)  # min(0, min_{k >= m} gradients[k]); gradients[n] = 0
+        """A lower bound of every :meth:`difference`: a forward without its stage's window,
+        the end and the optimizer step as they are, a backward or recompute no lower than
+        the least gradient difference from its stage on (``G(j)`` for ``j >= m``, ``G(L) =
+        0`` included)."""
+        static, transient, gradients = self._terms
+        n = len(transient)
+        windows = self.windows or (0,) * n
+        least_after = [0] * (n + 1)  # min over k >= m of G(k), G(n) = 0 included
         for k in range(n - 1, -1, -1):
             least_after[k] = min(least_after[k + 1], gradients[k])
-        transient = [
-            r - s for r, s in zip(rank.transient_bytes, single.transient_bytes, strict=True)
-        ]
-        return (
-            rank.static_bytes
-            - single.static_bytes
-            + min(transient[m] + least_after[m] for m in range(n))
+        return static + min(
+            gradients[0] + min(self.optimizer_bytes, self.end_bytes),
+            *(transient[m] - max(0, windows[m]) + least_after[m] for m in range(n)),
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _stage_of_node(stages: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """Per compute node, the stage holding it."""
+    return tuple(k for k, (first, stop) in enumerate(stages) for _ in range(first, stop))
 
 
 @dataclass(frozen=True)
@@ -237,11 +332,22 @@ class ReplayChain:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def offset(self, plan: Sequence[tuple[int, int]]) -> int:
-        """What is added to the replayed peak of ``plan`` (normalised stage ranges):
-        ``offset_bytes``, and the plan's rank shift when there is one."""
-        shift = self.rank_shift
-        return self.offset_bytes + (0 if shift is None else shift(plan))
+    def peak(
+        self,
+        plan: Sequence[tuple[int, int]],
+        saved: Sequence[Sequence[int]] | None = None,
+        replay: Replayer | None = None,
+    ) -> int:
+        """The peak every solver compares for ``plan`` (normalised stage ranges; ``saved``:
+        nodes kept inside each, selective recompute): the replayed peak plus
+        ``offset_bytes``, for one rank the replay's slots each moved by its event's
+        difference (NOTE [search: per-rank peaks])."""
+        replay = replay or replayer(self.trace)
+        ranges, rng = self.node_ranges(plan), self.preserve_rng(plan)
+        if self.rank_shift is None:
+            return replay.peak_bytes(ranges, rng, saved) + self.offset_bytes
+        slots = replay.timeline(ranges, rng, saved)
+        return self.rank_shift.peak(slots, plan, self.stages) + self.offset_bytes
 
     @property
     def least_offset(self) -> int:
@@ -275,11 +381,8 @@ def count_plans(num_stages: int) -> int:
 
 def replay_peak(chain: ReplayChain, segments: Sequence[tuple[int, int]]) -> int:
     """The replayed peak of checkpointing the given stage ranges (sorted, disjoint), plus
-    ``chain.offset(plan)`` (``offset_bytes``, and a rank's shift)."""
-    plan = normalize_segments(segments, chain.num_stages)
-    return replayer(chain.trace).peak_bytes(
-        chain.node_ranges(plan), chain.preserve_rng(plan)
-    ) + chain.offset(plan)
+    ``offset_bytes``; for one rank, moved event by event (:meth:`ReplayChain.peak`)."""
+    return chain.peak(normalize_segments(segments, chain.num_stages))
 
 
 def recompute_seconds(chain: ReplayChain, segments: Sequence[tuple[int, int]]) -> float:
@@ -336,10 +439,7 @@ class _Search:
                 if self.evaluations >= self.max_evaluations or self.out_of_time():
                     raise _Budget
                 self.evaluations += 1
-            chain = self.chain
-            found = self.replay.peak_bytes(chain.node_ranges(plan), chain.preserve_rng(plan))
-            found += chain.offset(plan)
-            self.peaks[plan] = found
+            found = self.peaks[plan] = self.chain.peak(plan, replay=self.replay)
         return found
 
     def cost(self, plan: Plan) -> float:

@@ -94,10 +94,8 @@ def plan_cost(chain, segments: Plan, kept: Kept) -> float:
 
 
 def _peak(chain, segments: Plan, kept: Kept) -> int:
-    # kept nodes change the activations only: the offset (a rank's shift) is the plan's
-    return replayer(chain.trace).peak_bytes(
-        chain.node_ranges(segments), chain.preserve_rng(segments), kept
-    ) + chain.offset(segments)
+    # kept nodes change the activations only; a rank's moments move as the plan's do
+    return chain.peak(segments, kept)
 
 
 def _candidates(chain, segments: Plan) -> list[tuple[int, int]]:

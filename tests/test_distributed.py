@@ -703,3 +703,29 @@ def test_fsdp_mixed_precision_plan_runs_under_the_policy_like_fsdp2_alone(tmp_pa
         assert measured["peak_bytes"] <= plan.predicted_peak_bytes <= plan.budget_bytes
         # float32 shards and buffers: what the rank keeps is what the plan counts
         assert measured["resident_bytes"] <= plan.rank_memory.static + RANK_MARGIN_BYTES
+
+
+def test_measure_rank_with_an_optimizer_measures_whole_iterations_from_steady_state():
+    """``measure_rank(..., optimizer=...)``: the optimizer is built over the wrapped model
+    inside the measurement, each step is forward, backward and ``optimizer.step()``, and
+    its state (made by the warm-up) is resident between steps, as a plan with an optimizer
+    counts it."""
+    width = 256
+
+    def build() -> tuple[torch.nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        return torch.nn.Linear(width, width), torch.randn(8, width)
+
+    built: list[torch.optim.Optimizer] = []
+
+    def adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+        built.append(torch.optim.AdamW(model.parameters()))
+        return built[-1]
+
+    _, _, plain = measure_rank(build)
+    model, _, stepped = measure_rank(build, optimizer=adamw)
+    parameters = (width * width + width) * 4
+    state = stepped.resident_bytes - plain.resident_bytes
+    assert 2 * parameters <= state <= 2 * parameters + 4096  # two moments (and step counts)
+    assert stepped.peak_bytes - stepped.resident_bytes > plain.peak_bytes - plain.resident_bytes
+    assert built and built[0].state[next(model.parameters())]["step"] == 3  # warm-up 2, then 1

@@ -265,6 +265,39 @@ def test_hugging_face_decoders_plan_with_their_layers_as_fsdp_units_on_meta(fami
         assert result.get_submodule(unit) is model.get_submodule(unit)
 
 
+def test_a_meta_plan_of_fsdp2_mixed_precision_applies_to_the_float32_hugging_face_model():
+    """NOTE [precision: FSDP2 mixed precision]: planned on meta on the bfloat16 twin, the
+    plan of an export-captured Llama applies to the float32 model the run wraps (its graph
+    is captured from the twin, whose dtypes it holds), keeps the user's parameters, leaves
+    no bfloat16 copy behind, and refuses to run its bfloat16 graph on float32 parameters
+    unwrapped rather than compute in another precision."""
+    from autockpt.distributed import fsdp_bf16_twin, step_model
+    from autockpt.errors import PlanMismatchError
+
+    with torch.device("meta"):
+        meta, batch = _hf("llama")
+    twin = fsdp_bf16_twin(meta)
+    planner = Planner(twin, batch, world_size=2, sharding="fsdp", precision="fsdp-bf16")
+    plan = planner.optimize(budget_gb=1.0).plan
+    model, real = _hf("llama")
+    assert step_model(model, plan) is not model  # a float32 model: its twin is captured
+    assert step_model(fsdp_bf16_twin(model), plan).parameters().__next__().dtype == torch.bfloat16
+    result = autockpt.apply(model, plan, real)
+    gc.collect()
+    assert isinstance(result, type(model))
+    assert all(p.dtype == torch.float32 for p in result.parameters())
+    leftover = [
+        t
+        for t in gc.get_objects()
+        if type(t) in (Tensor, nn.Parameter)
+        and t.dtype == torch.bfloat16
+        and t.device.type == "cpu"
+    ]
+    assert not leftover
+    with pytest.raises(PlanMismatchError, match="float32 parameters"):
+        result(**real)
+
+
 class _TitanBlock(nn.Module):
     """torchtitan's Llama TransformerBlock, reduced: ``attention_norm``, ``attention``,
     ``ffn_norm``, ``feed_forward``, called as ``layer(h, freqs_cis)``."""

@@ -218,13 +218,14 @@ def test_fsdp_ranks_keep_a_shard_of_the_optimizer_state():
     )
     model, _ = gpt()
     kwargs = dict(parameters=1000, gradients=1000, buffers=0, inputs=0, optimizer_state=4000)
-    ddp, ddp_memory = rank_problem(
+    ddp_shift, ddp_memory = rank_problem(
         problem, ((0, 1), (1, 2)), None, model, Sharding(2, "ddp"), **kwargs
     )
+    ddp = ddp_shift.rank
     assert ddp_memory.optimizer_state == 4000
     assert ddp.static_bytes - problem.static_bytes == 1000 + 65536  # buckets + margin
     units = ("h.0", "h.1")
-    fsdp, fsdp_memory = rank_problem(
+    _, fsdp_memory = rank_problem(
         problem, ((0, 1), (1, 2)), _FakeCapture(), model, Sharding(2, "fsdp", units), **kwargs
     )
     assert fsdp_memory.optimizer_state == 2000

@@ -73,7 +73,7 @@ AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
 """Device types whose autocast state is read (those torch has an autocast for)."""
 
 _NOTE = "precision: "
-_KEY = re.compile(r"\[parameters=([\w,]*) autocast=([\w:,]*) cache=(on|off)\]")
+_KEY = re.compile(r"\[parameters=([\w,]*) autocast=([\w:,]*) cache=(on|off)(?: kept=(\w+))?\]")
 
 
 @dataclass(frozen=True)
@@ -131,24 +131,32 @@ class Precision:
     def note(self) -> str:
         """The plan's note recording this precision (read back by :meth:`from_notes`)."""
         contexts = ",".join(f"{device}:{dtype}" for device, dtype in self.autocast) or "none"
+        kept = f" kept={self.kept}" if self.kept else ""
         return (
             f"{_NOTE}planned with {self.describe()} [parameters={','.join(self.parameters)} "
-            f"autocast={contexts} cache={'on' if self.autocast_cache else 'off'}]"
+            f"autocast={contexts} cache={'on' if self.autocast_cache else 'off'}{kept}]"
         )
 
     @staticmethod
-    def from_notes(notes: Iterable[str]) -> Precision | None:
-        """The precision a plan's notes record (None for plans made before it was noted)."""
+    def from_notes(notes: Iterable[str], *, with_kept: bool = False) -> Precision | None:
+        """The precision a plan's notes record (None for plans made before it was noted):
+        the step's (what a training call is checked against), and with ``with_kept`` the
+        dtype FSDP2's mixed precision keeps the shards in too."""
         for note in notes:
             if note.startswith(_NOTE):
                 found = _KEY.search(note)
                 if found is None:
                     return None
-                params, contexts, cache = found.groups()
+                params, contexts, cache, kept = found.groups()
                 autocast = tuple(
                     tuple(item.split(":", 1)) for item in contexts.split(",") if ":" in item
                 )
-                return Precision(tuple(p for p in params.split(",") if p), autocast, cache == "on")
+                return Precision(
+                    tuple(p for p in params.split(",") if p),
+                    autocast,
+                    cache == "on",
+                    kept if with_kept else None,
+                )
         return None
 
     @contextlib.contextmanager

@@ -282,9 +282,7 @@ def _notes(
         notes.append(_iteration_note(request.optimizer, request.accumulation_steps))
     if sharding.active and checked is not None:
         # The measured step ran unsharded in this process: not a per-rank number.
-        single = predictor.predict(solution.segments, solution.kept) - predictor.rank_shift(
-            solution.segments
-        )
+        single = predictor.predict_single(solution.segments, solution.kept)
         notes.append(
             f"verified on one unsharded process: measured peak {checked.peak_bytes} bytes "
             f"against a predicted {single}"

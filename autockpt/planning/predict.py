@@ -24,7 +24,7 @@ from autockpt.plan import MemoryTimeline, scoped_bytes
 from autockpt.planning.prepared import Prepared
 from autockpt.planning.specs import buffers_used, state_tensor
 from solvers import Simulation, replay, simulate
-from solvers.search import RankShift, ReplayChain
+from solvers.search import ReplayChain
 
 
 class Predictor:
@@ -43,9 +43,7 @@ class Predictor:
             offset_bytes=self.in_scope(0),
             problem=problem,
             # a rank's peak: the replay's plus the plan's shift (NOTE [search: per-rank peaks])
-            rank_shift=None
-            if problem is prepared.single_problem
-            else RankShift(problem, prepared.single_problem),
+            rank_shift=prepared.rank_shift,
             # what keeping a node saves: its cost, less what keeping it costs; only nodes
             # that do arithmetic (docs/design.md, "Selective recompute")
             node_seconds=tuple(
@@ -66,32 +64,44 @@ class Predictor:
             total_bytes, self.prepared.request.scope, prof.static_bytes + prof.param_grad_bytes
         )
 
-    def scoped(self, simulated_bytes: int, segments: Sequence[StageRange]) -> int:
-        """A simulated single-process byte count as the budget counts it: per rank when
-        sharded, or above the static part for "activations"."""
-        if self.prepared.request.scope == "total":
-            return simulated_bytes + self.rank_shift(segments)
-        return self.in_scope(simulated_bytes)
-
-    def rank_shift(self, segments: Sequence[StageRange]) -> int:
+    def rank_shift(self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()) -> int:
         """Per-rank minus single-process prediction of a plan: verification measures one
         unsharded process and moves the result to a rank by this difference (what sharding
-        changes is static and engine memory; what the profile missed stays the same). The
-        search adds the same shift to every plan it judges (NOTE [search: per-rank peaks])."""
-        shift = self.replay_chain.rank_shift
-        return 0 if shift is None else shift(segments)
+        changes is static and engine memory; what the profile missed stays the same)."""
+        return self.predict(segments, kept) - self.predict_single(segments, kept)
 
     # -- predictions ----------------------------------------------------------------------
 
     def predict(self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()) -> int:
         """Predicted peak (in the budget's scope, per rank when sharded) of a plan given as
         stage ranges (and, per range, the compute nodes kept inside it: selective
-        recompute): the plan simulator's replay of the recorded step."""
+        recompute): the plan simulator's replay of the recorded step, for one rank each
+        moment moved by its event's difference (NOTE [search: per-rank peaks]): the number
+        the search compares (``ReplayChain.peak``)."""
+        if self.replay_chain.rank_shift is None:
+            return self.predict_single(segments, kept)
+        return self.replay_chain.peak(list(segments), kept or None)
+
+    def predict_single(
+        self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()
+    ) -> int:
+        """The plan's peak in one unsharded process (in the budget's scope)."""
         node_ranges, stash = self.node_ranges(segments)
         simulated = replay.simulate(
             self.prepared.trace, node_ranges, stash, kept or None
         ).peak_bytes
-        return self.scoped(simulated, segments)
+        return self.in_scope(simulated)
+
+    def moments(
+        self, curve: list[tuple[str, int, int]], segments: Sequence[StageRange]
+    ) -> list[tuple[str, int, int]]:
+        """A replayed curve (``(phase, node, bytes)`` slots) as the budget counts it: per
+        rank when sharded, else in the budget's scope."""
+        shift = self.replay_chain.rank_shift
+        if shift is None:
+            return [(phase, node, self.in_scope(b)) for phase, node, b in curve]
+        moved = shift.moments(curve, segments, self.replay_chain.stages)
+        return [(phase, node, b) for (phase, node, _), b in zip(curve, moved, strict=True)]
 
     def recompute_seconds(
         self, segments: Sequence[StageRange], kept: Sequence[Sequence[int]] = ()
@@ -147,7 +157,7 @@ class Predictor:
             curve: list[tuple[str, int, int]], plan: Sequence[StageRange]
         ) -> dict[tuple[str, int], int]:
             peaks: dict[tuple[str, int], int] = {}
-            for phase, node, nbytes in curve:
+            for phase, node, nbytes in self.moments(curve, plan):
                 if phase == "recompute":
                     keys = [("r", k) for k in segment_stages[node]]
                 elif phase == "backward":
@@ -156,7 +166,7 @@ class Predictor:
                     # a prologue window of a node (a cached autocast cast) is its stage's
                     keys = [("f", stage_of.get(node, 0 if phase == "prologue" else last))]
                 for key in keys:
-                    peaks[key] = max(peaks.get(key, 0), self.scoped(nbytes, plan))
+                    peaks[key] = max(peaks.get(key, 0), nbytes)
             return peaks
 
         def events(

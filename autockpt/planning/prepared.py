@@ -65,6 +65,7 @@ from autockpt.planning.request import Phases, Request, logger
 from autockpt.planning.sharding import check_kept_precision, check_units_called, rank_problem
 from solvers import ChainProblem
 from solvers.replay import MemoryTrace
+from solvers.search import RankShift
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +83,9 @@ class Prepared:
     """The stage chain in the budget's scope, per rank when sharded (scope "total")."""
     single_problem: ChainProblem
     """The stage problem of one unsharded process (``chain.problem`` unless sharded)."""
+    rank_shift: RankShift | None
+    """What moves each moment of one process's step to a rank (sharded, scope "total");
+    None: one process (NOTE [search: per-rank peaks])."""
     trace: MemoryTrace
     """One step's allocation events: what the replay (the one memory model) replays (with
     an optimizer, one training iteration's)."""
@@ -271,8 +275,9 @@ def prepare(
     # single-process peak is moved to a rank by the stage model's difference.
     single_problem = chain.problem
     rank_memory: RankMemory | None = None
+    rank_shift: RankShift | None = None
     if sharding.active:
-        sharded, rank_memory = rank_problem(
+        shift, rank_memory = rank_problem(
             chain.problem,
             chain.stages,
             captured,
@@ -285,9 +290,11 @@ def prepare(
             optimizer_state=resident.get(OPTIMIZER_STATE, 0),
             accumulated_gradients=resident.get(ACCUMULATED_GRADIENTS, 0),
             kept_dtype=precision.kept,  # FSDP2's mixed precision keeps float32 shards
+            run_device_type=run_device_type(request.target, prof.device),
         )
         if request.scope == "total":  # sharding changes only what "activations" leaves out
-            chain = dataclasses.replace(chain, problem=sharded)
+            chain = dataclasses.replace(chain, problem=shift.rank)
+            rank_shift = shift
     return Prepared(
         model=model,
         inputs=inputs,
@@ -297,6 +304,7 @@ def prepare(
         profile=prof,
         chain=chain,
         single_problem=single_problem,
+        rank_shift=rank_shift,
         trace=trace,
         rank_memory=rank_memory,
         blocks=blocks,
@@ -396,6 +404,15 @@ def start(
     GPU's for a model on the meta device)."""
     device = device_of(model, inputs)
     target = resolve_target(target, device)
-    runs_on = target.device_type if target else "cuda" if device.type == "meta" else device.type
-    asked = requested_precision(precision, model, runs_on)
+    asked = requested_precision(precision, model, run_device_type(target, device.type))
     return device, asked or Precision.now(model), PlanningPeak(device), target
+
+
+def run_device_type(target: Target | None, planned_on: str) -> str:
+    """The device type the run uses: the target's, else the one planned on, where a model
+    on the meta device stands for a GPU's run (its autocast, its collectives: NOTE
+    [sharding: the backend's reduce-scatter])."""
+    if target is not None:
+        return target.device_type
+    kind = torch.device(planned_on).type
+    return "cuda" if kind == "meta" else kind

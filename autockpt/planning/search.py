@@ -12,10 +12,10 @@ Every method judges plans by the predictor's exact prediction
 scope, per rank when sharded) and returns only plans whose prediction fits.
 
 NOTE [search: per-rank peaks] (solvers/search.py, ``RankShift``). Sharded, a rank's peak is
-the replay's plus a plan-dependent shift (what the engine shards or adds: static, gradient
-and transient terms), often far below one process's (FSDP keeps 1/N of the parameters,
-gradients and optimizer state). The torch-free search gets that shift as data (the
-predictor's ``replay_chain.rank_shift``) and judges every plan by the sum, which is
+the replay's with each moment moved by what the engine shards or adds at that event of the
+step (static, gradient and transient terms), often far below one process's (FSDP keeps 1/N
+of the parameters, gradients and optimizer state). The torch-free search gets those terms
+as data (the predictor's ``replay_chain.rank_shift``) and judges every plan by the result, which is
 :meth:`Predictor.predict` itself: the leanest plan (the stated minimum), the plan for a
 budget, the empty plan when ``predict([])`` fits, and every refusal are the per-rank
 model's. Before, the search walked the single-process replay against the per-rank budget

@@ -71,6 +71,7 @@ from autockpt.costs.blocks import find_repeated_blocks
 from autockpt.errors import ShardingError
 from autockpt.plan import RankMemory
 from solvers import ChainProblem
+from solvers.search import RankShift
 
 SHARDINGS = (None, "ddp", "fsdp")
 
@@ -259,14 +260,17 @@ def rank_problem(
     optimizer_state: int = 0,
     accumulated_gradients: int = 0,
     kept_dtype: str | None = None,
-) -> tuple[ChainProblem, RankMemory]:
+    run_device_type: str = "cuda",
+) -> tuple[RankShift, RankMemory]:
     """The single-process chain ``problem`` rewritten for one rank under ``sharding``.
 
     ``problem.static_bytes`` is the single-process static part (parameters + buffers +
     inputs + output tail); the parameter part is replaced by what one rank
     keeps, and the engines' buffers are added (see the module docstring), plus
     :data:`RANK_MARGIN_BYTES` for the process group's own small tensors. Returns the
-    per-rank problem and the breakdown recorded in the plan.
+    per-rank problem (``.rank``) with what moves each moment of one process's step to a
+    rank (a :class:`solvers.search.RankShift`: NOTE [search: per-rank peaks]), and the
+    breakdown recorded in the plan.
 
     ``optimizer_state`` and ``accumulated_gradients`` (in the static part when the budget
     covers the optimizer, or gradient accumulation) are whole on a DDP rank and a shard each
@@ -276,6 +280,9 @@ def rank_problem(
     ``kept_dtype``: the dtype an FSDP rank keeps its shards, gradient shards and optimizer
     state in, when the step computes in another (a :class:`Precision`'s ``kept``: FSDP2's
     mixed precision, NOTE [sharding: FSDP2 mixed precision]).
+
+    ``run_device_type``: the device the ranks run on, whose collectives' backend FSDP2 uses
+    (NOTE [sharding: the backend's reduce-scatter]).
     """
     rest = problem.static_bytes - parameters  # buffers, inputs, output tail, resident
     if sharding.mode == "ddp":
@@ -300,6 +307,7 @@ def rank_problem(
         optimizer_state=optimizer_state,
         accumulated_gradients=accumulated_gradients,
         kept_dtype=getattr(torch, kept_dtype) if kept_dtype else None,
+        input_copies=REDUCE_SCATTER_INPUT_COPIES.get(run_device_type, 0),
     )
 
 
@@ -312,7 +320,7 @@ def _ddp_rank_problem(
     buffers: int,
     inputs: int,
     optimizer_state: int,
-) -> tuple[ChainProblem, RankMemory]:
+) -> tuple[RankShift, RankMemory]:
     """One DDP rank: full parameters, the reducer's buckets, the buffers' broadcast."""
     buckets = gradients
     # broadcast_buffers (DDP's default) copies every buffer into one flat tensor at the
@@ -329,12 +337,12 @@ def _ddp_rank_problem(
         static=parameters + buckets + buffers + inputs + optimizer_state,
         optimizer_state=optimizer_state,
     )
-    problem = dataclasses.replace(
+    rank = dataclasses.replace(
         problem,
         static_bytes=rest + parameters + buckets + RANK_MARGIN_BYTES,
         transient_bytes=tuple(transient),
     )
-    return problem, memory
+    return RankShift(rank, problem), memory
 
 
 # NOTE [sharding: FSDP2 mixed precision]. Under ``MixedPrecisionPolicy(param_dtype=
@@ -354,6 +362,18 @@ def _ddp_rank_problem(
 # bytes measured against 492,288 predicted, peak 1,982,024 against 2,280,200 predicted (two
 # gathered units and the windows are counted for whole stages), gradients equal to FSDP2's
 # alone under the same policy.
+# NOTE [sharding: the backend's reduce-scatter]. FSDP2 reduce-scatters each unit's gradients
+# with ``dist.reduce_scatter_tensor`` on the process group of the device the ranks run on.
+# NCCL (CUDA) reduces into the output in place; gloo (CPU) copies the whole input first
+# (measured: a reduce-scatter of a 16 MiB float32 input on two gloo ranks allocates 16 MiB
+# more, with ``ReduceOp.AVG`` or ``SUM``), so on CPU ranks each reduce-scatter window holds
+# its input twice. The root's, which ends backward, is the largest on a Hugging Face
+# decoder (embedding and head). Keyed by the run's device type: a meta plan without a
+# target is for a GPU (autockpt/planning/prepared.py), one made on CPU tensors for CPU.
+REDUCE_SCATTER_INPUT_COPIES: dict[str, int] = {"cpu": 1}
+"""Extra copies of a reduce-scatter's input the backend allocates, by run device type."""
+
+
 def _fsdp_rank_problem(
     problem: ChainProblem,
     rest: int,
@@ -367,7 +387,8 @@ def _fsdp_rank_problem(
     optimizer_state: int,
     accumulated_gradients: int,
     kept_dtype: torch.dtype | None,
-) -> tuple[ChainProblem, RankMemory]:
+    input_copies: int = 0,
+) -> tuple[RankShift, RankMemory]:
     """One FSDP2 rank: sharded units and state, plus two units gathered in full."""
     n = sharding.world_size
     split = _param_split(model, sharding.units, kept_dtype)
@@ -380,33 +401,55 @@ def _fsdp_rank_problem(
     kept_accumulated = round(accumulated_gradients * split.kept_ratio)
     sharded_resident = rank_share(kept_state, sharding) + rank_share(kept_accumulated, sharding)
     rest -= optimizer_state + accumulated_gradients - sharded_resident
-    grads, transient = _fsdp_stage_terms(problem, stages, capture, split, n)
+    grads, transient, windows = _fsdp_stage_terms(problem, stages, capture, split, n, input_copies)
     memory = RankMemory(
         parameters=local_params,
         gradients=local_params,
         buckets=0,
         gathered_parameters=gathered,
         reduce_scatter=max(
-            [_unit_window(split.unit_bytes[u], split.unit_kept[u], n) for u in split.unit_bytes]
-            + [split.root_kept + _shard(split.root_kept, n)]
+            [
+                _unit_window(split.unit_bytes[u], split.unit_kept[u], n, input_copies)
+                for u in split.unit_bytes
+            ]
+            + [_root_window(split.root_kept, n, input_copies)]
         ),
         static=local_params + buffers + inputs + _shard(kept_state, n),
         optimizer_state=_shard(kept_state, n),
     )
-    problem = dataclasses.replace(
+    rank = dataclasses.replace(
         problem,
         static_bytes=rest + local_params + gathered + RANK_MARGIN_BYTES,
         param_grad_bytes=tuple(max(0, g) for g in grads),
         transient_bytes=tuple(transient),
     )
-    return problem, memory
+    # When backward ends FSDP2 has resharded every unit and the root (reshard after
+    # backward), then reduce-scatters the root's gradients; the optimizer steps shards.
+    root_shard = _shard(split.root_kept, n)
+    shift = RankShift(
+        rank,
+        problem,
+        windows=tuple(windows),
+        end_bytes=_root_window(split.root_kept, n, input_copies) - gathered,
+        optimizer_bytes=root_shard - split.root_bytes - gathered,
+    )
+    return shift, memory
 
 
-def _unit_window(computed: int, kept: int, n: int) -> int:
+def _unit_window(computed: int, kept: int, n: int, input_copies: int = 0) -> int:
     """A unit's reduce-scatter window: its unsharded gradients (the step's dtype), the flat
     reduce-scatter input and the sharded output (the kept dtype: FSDP2 casts the gradients
-    into the input, allocated in its ``reduce_dtype``)."""
-    return computed + kept + _shard(kept, n)
+    into the input, allocated in its ``reduce_dtype``), and the backend's copies of the
+    input (NOTE [sharding: the backend's reduce-scatter]). The unsharded gradients stay
+    alive through the collective (measured on the root's: autograd's last references)."""
+    return computed + _root_window(kept, n, input_copies)
+
+
+def _root_window(kept: int, n: int, input_copies: int = 0) -> int:
+    """The root's reduce-scatter, which ends backward, above its unsharded gradients
+    (counted full until then with the other gradients): the flat input, the backend's
+    copies of it and the shard."""
+    return kept * (1 + input_copies) + _shard(kept, n)
 
 
 def _fsdp_stage_terms(
@@ -415,8 +458,10 @@ def _fsdp_stage_terms(
     capture: Capture,
     split: _ParamSplit,
     n: int,
-) -> tuple[list[int], list[int]]:
-    """Each stage's gradient and transient bytes on an FSDP2 rank: unit windows, then shards."""
+    input_copies: int = 0,
+) -> tuple[list[int], list[int], list[int]]:
+    """Each stage's gradient and transient bytes on an FSDP2 rank (unit windows, then
+    shards), and the windows alone (what only the stage's backward holds)."""
     nodes = capture.compute_nodes()
     unit_of_node = {
         i: str(node.target)
@@ -425,6 +470,7 @@ def _fsdp_stage_terms(
     }
     grads = list(problem.param_grad_bytes)
     transient = list(problem.transient_bytes)
+    windows = [0] * len(stages)
     for k, (start, end) in enumerate(stages):
         unit_grads = 0
         window = 0
@@ -433,7 +479,7 @@ def _fsdp_stage_terms(
             if unit is not None:
                 size = split.unit_bytes[unit]
                 unit_grads += size
-                window = max(window, _unit_window(size, split.unit_kept[unit], n))
+                window = max(window, _unit_window(size, split.unit_kept[unit], n, input_copies))
         # Unit gradients persist as shards; root gradients stay full until the end.
         grads[k] = (
             grads[k]
@@ -445,7 +491,7 @@ def _fsdp_stage_terms(
             )
         )
         transient[k] += window
-    # The root's reduce-scatter ends backward: a flat copy of its gradients plus the shard.
-    transient[0] += split.root_kept + _shard(split.root_kept, n)
-    grads[0] += _shard(split.root_kept, n)
-    return grads, transient
+        windows[k] = window
+    # Root gradients stay full until the root's reduce-scatter ends backward: a moment of
+    # its own (RankShift.end_bytes), after which the root keeps their shard.
+    return grads, transient, windows

@@ -27,7 +27,7 @@ from autockpt.base.inputs import Inputs, given_input_names
 from autockpt.base.runtime import as_found, training_mode, warn_if_eval
 from autockpt.capture.captured import Capture
 from autockpt.capture.front import capture
-from autockpt.distributed import check_not_wrapped, release_planning_garbage
+from autockpt.distributed import check_not_wrapped, release_planning_garbage, step_model
 from autockpt.errors import AutockptError, CompileError, PlanMismatchError
 from autockpt.plan import Plan
 from autockpt.rewrite.graph import rewrite
@@ -239,7 +239,8 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     try:
         with training_mode(model):
             captured = capture(
-                model,
+                # an export graph holds the planned dtypes (FSDP2's bfloat16 step)
+                step_model(model, plan) if method == "export" else model,
                 capture_inputs or Inputs((), {}),
                 leaf_modules=plan.leaf_modules,
                 method=method,

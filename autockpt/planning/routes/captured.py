@@ -309,7 +309,9 @@ class CapturedRoute:
             self.phases.start("verify", "measuring the plan")
             checked = self.measure(found.result, timed=self._times_step)
             solution = found.found[0]
-            used = self.budgeted_bytes(checked) + self.predictor.rank_shift(solution.segments)
+            used = self.budgeted_bytes(checked) + self.predictor.rank_shift(
+                solution.segments, solution.kept
+            )
             if _same_plan(solution, leanest):
                 self._learn_leanest(used)
             return used, checked
