@@ -25,7 +25,8 @@ What runs (issue "The run users launch", "How it is shown"):
    with the policy and without autockpt runs the same iterations; after them one more step's
    loss and full gradients of both are compared.
 
-Written to ``llama_ranks.json`` and printed as a table. ``--seq`` defaults to 64 tokens:
+Written to ``llama_ranks.json``, ``.csv`` and ``.png`` (predicted against measured, per
+rank) and printed as a table. ``--seq`` defaults to 64 tokens:
 on a CPU without native bfloat16 matrix multiplies (this project's 2-core machine: 0.5
 GFLOP/s in bfloat16 against 83 in float32) the policy's bfloat16 step is slow, and a rank
 runs eight whole iterations. ``--quick``: 2 layers, hidden 256, vocabulary 4096, 256 tokens
@@ -245,7 +246,56 @@ def run(quick: bool, out: Path, fraction: float, seq: int | None = None) -> dict
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "llama_ranks.json").write_text(json.dumps(row, indent=2, default=str))
+    _table(row, out / "llama_ranks.csv")
+    _figure(row, out / "llama_ranks.png")
     return row
+
+
+def _table(row: dict[str, Any], path: Path) -> None:
+    """Per rank: predicted and measured resident and peak bytes, FSDP2 alone's peak."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            ["rank", "budget", "predicted_peak", "measured_peak", "fsdp2_alone_peak",
+             "predicted_resident", "measured_resident"]
+        )  # fmt: skip
+        for rank, peak in enumerate(row["measured_peak_bytes"]):
+            writer.writerow(
+                [rank, row["budget_bytes"], row["predicted_peak_bytes"], peak,
+                 row["fsdp2_alone_peak_bytes"][rank], row["predicted_resident_bytes"],
+                 row["measured_resident_bytes"][rank]]
+            )  # fmt: skip
+
+
+def _figure(row: dict[str, Any], path: Path) -> None:
+    """Predicted against measured, per rank: resident memory and the iteration's peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = range(len(row["measured_peak_bytes"]))
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    width = 0.2
+    bars = [
+        ("resident, predicted", [row["predicted_resident_bytes"]] * len(ranks)),
+        ("resident, measured", row["measured_resident_bytes"]),
+        ("peak, predicted", [row["predicted_peak_bytes"]] * len(ranks)),
+        ("peak, measured", row["measured_peak_bytes"]),
+    ]
+    for k, (label, values) in enumerate(bars):
+        ax.bar(
+            [r + (k - 1.5) * width for r in ranks], [v / GIB for v in values], width, label=label
+        )
+    ax.axhline(row["budget_bytes"] / GIB, color="black", linestyle="--", label="budget")
+    ax.set_xticks(list(ranks), [f"rank {r}" for r in ranks])
+    ax.set_ylabel("GiB")
+    ax.set_title(f"Llama {row['parameters'] / 1e6:.0f}M planned on meta, 2 gloo ranks, fsdp-bf16")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _ranges(plan: Plan) -> list[tuple[int, int, tuple[Any, ...]]]:
