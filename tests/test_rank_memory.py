@@ -215,3 +215,43 @@ def test_fsdp_mixed_precision_is_refused_without_fsdp_or_on_a_float32_model():
         quiet_planner(
             model, (idx, idx), world_size=WORLD_SIZE, sharding="fsdp", precision="fsdp-bf16"
         )
+
+
+def test_cpu_ranks_count_gloos_copy_of_each_reduce_scatter_input(fsdp):
+    """NOTE [sharding: the backend's reduce-scatter]: a plan for CPU ranks (a CPU target
+    from meta) counts gloo's copy of each reduce-scatter's input, a meta plan without a
+    target (GPU ranks, NCCL) does not; what a rank keeps is the same."""
+    import autockpt
+
+    cpu = autockpt.Target("cpu", "cpu", 64 * GIB, (("float32", 1e11),), 2e10, "test")
+    with torch.device("meta"):
+        model = LM().train()
+    idx = torch.empty(4, 128, dtype=torch.long, device="meta")
+    on_cpu = quiet_planner(
+        model,
+        (idx, idx),
+        optimizer=torch.optim.AdamW(model.parameters()),
+        loss_fn=lambda loss: loss,
+        world_size=WORLD_SIZE,
+        sharding="fsdp",
+        target=cpu,
+    )
+    n = WORLD_SIZE
+    units = [model.get_submodule(u) for u in fsdp.sharding.units]
+    unit_bytes = [4 * sum(p.numel() for p in u.parameters()) for u in units]
+    root = 4 * sum(p.numel() for p in model.parameters()) - sum(unit_bytes)
+
+    def windows(copies: int) -> int:
+        shard = lambda b: -(-b // n)  # noqa: E731
+        return max(
+            [b + b * (1 + copies) + shard(b) for b in unit_bytes]
+            + [root * (1 + copies) + shard(root)]
+        )
+
+    assert fsdp.rank_memory.reduce_scatter == windows(0)
+    assert on_cpu.rank_memory.reduce_scatter == windows(1)
+    assert on_cpu.rank_memory.static == fsdp.rank_memory.static
+    # the root's reduce-scatter, which ends backward, holds its input twice on CPU ranks
+    gpu_end = fsdp.search.replay_chain.rank_shift.end_bytes
+    assert on_cpu.search.replay_chain.rank_shift.end_bytes - gpu_end == root
+    assert on_cpu.no_checkpoint_peak_bytes >= fsdp.no_checkpoint_peak_bytes
