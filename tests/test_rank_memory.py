@@ -255,3 +255,29 @@ def test_cpu_ranks_count_gloos_copy_of_each_reduce_scatter_input(fsdp):
     gpu_end = fsdp.search.replay_chain.rank_shift.end_bytes
     assert on_cpu.search.replay_chain.rank_shift.end_bytes - gpu_end == root
     assert on_cpu.no_checkpoint_peak_bytes >= fsdp.no_checkpoint_peak_bytes
+
+
+def test_a_refusal_under_fsdp2_mixed_precision_counts_accumulated_gradients_in_float32():
+    """The breakdown of a refused budget agrees with the rank model: under ``fsdp-bf16``
+    the gradients a micro-batch accumulates are kept as float32 shards, twice what a
+    ``bf16-true`` rank keeps (it used to list them at the bfloat16 size)."""
+    found = {}
+    for precision in ("fsdp-bf16", "bf16-true"):
+        with torch.device("meta"):
+            model = fsdp_bf16_twin(LM().train())
+        idx = torch.empty(4, 128, dtype=torch.long, device="meta")
+        planner = quiet_planner(
+            model,
+            (idx, idx),
+            optimizer=torch.optim.AdamW(model.parameters()),
+            accumulation_steps=2,
+            loss_fn=lambda loss: loss,
+            world_size=WORLD_SIZE,
+            sharding="fsdp",
+            precision=precision,
+        )
+        with pytest.raises(InfeasibleBudgetError) as refused:
+            planner.optimize(budget_gb=1e-6)
+        found[precision] = refused.value.breakdown["accumulated gradients per rank"]
+    assert abs(found["fsdp-bf16"] - 2 * found["bf16-true"]) <= 1
+    assert found["bf16-true"] > 0

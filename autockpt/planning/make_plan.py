@@ -380,12 +380,15 @@ def breakdown(
     return parts
 
 
-def rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding) -> dict[str, int]:
+def rank_breakdown(
+    parts: dict[str, int], memory: RankMemory, sharding: Sharding, kept: float = 1.0
+) -> dict[str, int]:
     """The error breakdown for one rank: its local parameters and engine buffers, and what it
     keeps of the iteration's resident state: the optimizer's state as the plan's
     ``rank_memory`` counts it, accumulated gradients as the rank's stage model does (a
-    shard each under FSDP, whole under DDP). Its "leanest plan's peak" is already a rank's
-    (NOTE [search: per-rank peaks])."""
+    shard each under FSDP, whole under DDP; ``kept``: in the dtype the rank keeps them,
+    :func:`autockpt.planning.sharding.kept_ratio`). Its "leanest plan's peak" is already a
+    rank's (NOTE [search: per-rank peaks])."""
     label = f"per rank of {sharding.world_size} ({sharding.mode})"
     rank = {
         f"parameters {label}": memory.parameters,
@@ -403,7 +406,7 @@ def rank_breakdown(parts: dict[str, int], memory: RankMemory, sharding: Sharding
         if name == OPTIMIZER_STATE:
             rest[f"{name} per rank"] = memory.optimizer_state
         elif name == ACCUMULATED_GRADIENTS:
-            rest[f"{name} per rank"] = rank_share(nbytes, sharding)
+            rest[f"{name} per rank"] = rank_share(round(nbytes * kept), sharding)
         else:
             rest[name] = nbytes
     return rank | rest

@@ -236,6 +236,15 @@ def _param_split(
     return _ParamSplit(unit_bytes, root, unit_kept, root_kept)
 
 
+def kept_ratio(model: nn.Module, units: tuple[str, ...], kept_dtype: str | None) -> float:
+    """What an FSDP rank keeps per byte the step computes with (FSDP2's mixed precision:
+    float32 shards of a bfloat16 step, 2.0; else 1.0): the factor by which the rank model
+    counts the optimizer's state and accumulated gradients, and the error breakdown with
+    it (one computation: :func:`_param_split`)."""
+    dtype = getattr(torch, kept_dtype) if kept_dtype else None
+    return _param_split(model, units, dtype).kept_ratio
+
+
 def _shard(nbytes: int, world_size: int) -> int:
     return -(-nbytes // world_size)
 

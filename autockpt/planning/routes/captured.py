@@ -46,6 +46,7 @@ from autockpt.planning.prepared import Phases, PlanningPeak, Prepared, prepare, 
 from autockpt.planning.request import Request
 from autockpt.planning.routes.base import Finish, Replan, Solve, measure_step
 from autockpt.planning.search import SEARCH_METHODS, BudgetSearch
+from autockpt.planning.sharding import kept_ratio
 from autockpt.planning.specs import segment_specs
 from autockpt.planning.verify import VERIFY_ROUNDS, Attempt, Fitted, fit_by_measuring
 from autockpt.rewrite.apply import rewrite_for_training, same
@@ -146,7 +147,9 @@ class CapturedRoute:
             self.profile, self.chain, scope, self.minimum_peak_bytes, self.trace
         )
         if self.rank_memory is not None and scope == "total":
-            self.breakdown = rank_breakdown(self.breakdown, self.rank_memory, request.sharding)
+            sharding = request.sharding
+            kept = kept_ratio(model, sharding.units, prepared.precision.kept)
+            self.breakdown = rank_breakdown(self.breakdown, self.rank_memory, sharding, kept)
         measured = reused.leanest_measured_bytes if reused is not None else None
         if measured is not None and not self.compiled:
             self._learn_leanest(
