@@ -42,7 +42,8 @@ class Predictor:
             segment_overhead_seconds=problem.segment_overhead_seconds,
             offset_bytes=self.in_scope(0),
             problem=problem,
-            # a rank's peak: the replay's plus the plan's shift (NOTE [search: per-rank peaks])
+            # a rank's peak: each replayed moment moved by its event's difference (NOTE
+            # [search: per-rank peaks])
             rank_shift=prepared.rank_shift,
             # what keeping a node saves: its cost, less what keeping it costs; only nodes
             # that do arithmetic (docs/design.md, "Selective recompute")

@@ -81,8 +81,6 @@ class Prepared:
     profile: Profile
     chain: Chain
     """The stage chain in the budget's scope, per rank when sharded (scope "total")."""
-    single_problem: ChainProblem
-    """The stage problem of one unsharded process (``chain.problem`` unless sharded)."""
     rank_shift: RankShift | None
     """What moves each moment of one process's step to a rank (sharded, scope "total");
     None: one process (NOTE [search: per-rank peaks])."""
@@ -98,6 +96,11 @@ class Prepared:
     """Checkpointing each instance of every repeated class (``per_block``'s class first):
     the one-line plans the search seeds itself with (NOTE [blocks: every class])."""
     planning_peak_bytes: int | None
+
+    @property
+    def single_problem(self) -> ChainProblem:
+        """The stage problem of one unsharded process (``chain.problem`` unless sharded)."""
+        return self.rank_shift.single if self.rank_shift is not None else self.chain.problem
 
     @property
     def per_block_segments(self) -> tuple[StageRange, ...] | None:
@@ -271,9 +274,8 @@ def prepare(
     )
     chain = scope_chain(chain, request.scope, prof.static_bytes)
     # Sharding changes what a rank keeps (parameters, gradients, engine buffers), not the
-    # activations: the stage model gets the per-rank terms, and each simulated
-    # single-process peak is moved to a rank by the stage model's difference.
-    single_problem = chain.problem
+    # activations: the stage model gets the per-rank terms, and each moment of the
+    # simulated single-process step is moved to a rank by its event's difference.
     rank_memory: RankMemory | None = None
     rank_shift: RankShift | None = None
     if sharding.active:
@@ -303,7 +305,6 @@ def prepare(
         capture=captured,
         profile=prof,
         chain=chain,
-        single_problem=single_problem,
         rank_shift=rank_shift,
         trace=trace,
         rank_memory=rank_memory,

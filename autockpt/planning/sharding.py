@@ -421,7 +421,7 @@ def _fsdp_rank_problem(
                 _unit_window(split.unit_bytes[u], split.unit_kept[u], n, input_copies)
                 for u in split.unit_bytes
             ]
-            + [_root_window(split.root_kept, n, input_copies)]
+            + [_reduce_scatter(split.root_kept, n, input_copies)]
         ),
         static=local_params + buffers + inputs + _shard(kept_state, n),
         optimizer_state=_shard(kept_state, n),
@@ -439,25 +439,26 @@ def _fsdp_rank_problem(
         rank,
         problem,
         windows=tuple(windows),
-        end_bytes=_root_window(split.root_kept, n, input_copies) - gathered,
+        end_bytes=_reduce_scatter(split.root_kept, n, input_copies) - gathered,
         optimizer_bytes=root_shard - split.root_bytes - gathered,
     )
     return shift, memory
 
 
 def _unit_window(computed: int, kept: int, n: int, input_copies: int = 0) -> int:
-    """A unit's reduce-scatter window: its unsharded gradients (the step's dtype), the flat
-    reduce-scatter input and the sharded output (the kept dtype: FSDP2 casts the gradients
-    into the input, allocated in its ``reduce_dtype``), and the backend's copies of the
-    input (NOTE [sharding: the backend's reduce-scatter]). The unsharded gradients stay
-    alive through the collective (measured on the root's: autograd's last references)."""
-    return computed + _root_window(kept, n, input_copies)
+    """A unit's reduce-scatter window: its unsharded gradients (the step's dtype) beside
+    the collective (:func:`_reduce_scatter`). The gradients are counted alive through it:
+    the safe side, as FSDP2 frees some of them at the copy into the flat input and not
+    others (docs/distributed.md, "Planned before launch")."""
+    return computed + _reduce_scatter(kept, n, input_copies)
 
 
-def _root_window(kept: int, n: int, input_copies: int = 0) -> int:
-    """The root's reduce-scatter, which ends backward, above its unsharded gradients
-    (counted full until then with the other gradients): the flat input, the backend's
-    copies of it and the shard."""
+def _reduce_scatter(kept: int, n: int, input_copies: int = 0) -> int:
+    """One reduce-scatter of ``kept`` bytes (the kept dtype: FSDP2 casts the gradients into
+    its flat input, allocated in its ``reduce_dtype``): the input, the backend's copies of
+    it (NOTE [sharding: the backend's reduce-scatter]) and the sharded output. The root's,
+    which ends backward, is this alone: its unsharded gradients are counted with the
+    others until then."""
     return kept * (1 + input_copies) + _shard(kept, n)
 
 
