@@ -100,8 +100,10 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * self.cos + _rotate_half(q) * self.sin
-        k = k * self.cos + _rotate_half(k) * self.sin
+        # back to the activations' dtype, as torchtitan's rotary embedding does: under FSDP2's
+        # bfloat16 policy the tables (buffers) stay float32 (benchmarks/llama_ranks.py)
+        q = (q * self.cos + _rotate_half(q) * self.sin).type_as(x)
+        k = (k * self.cos + _rotate_half(k) * self.sin).type_as(x)
         groups = self.heads // self.kv_heads
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)

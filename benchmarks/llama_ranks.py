@@ -1,7 +1,7 @@
 """A Llama of 124M parameters planned on the meta device for two FSDP2 ranks in bfloat16, then
 trained on two gloo ranks: is each rank's peak the one the plan said, before launch?
 
-    python -m benchmarks.llama_ranks [--quick] [--out out/llama_ranks]
+    python -m benchmarks.llama_ranks [--quick] [--family hf|titan] [--out out/llama_ranks]
 
 What runs (issue "The run users launch", "How it is shown"):
 
@@ -24,6 +24,9 @@ What runs (issue "The run users launch", "How it is shown"):
    third is measured: forward, backward, ``optimizer.step()``). The same model under FSDP2
    with the policy and without autockpt runs the same iterations; after them one more step's
    loss and full gradients of both are compared.
+
+``--family titan`` runs the same on a torchtitan-shaped Llama written out (fx capture, its
+own cross-entropy; :data:`FAMILIES`), written to ``llama_ranks_titan.*``.
 
 Written to ``llama_ranks.json``, ``.csv`` and ``.png`` (predicted against measured, per
 rank) and printed as a table. ``--seq`` defaults to 64 tokens:
@@ -52,7 +55,6 @@ from torch import Tensor, nn  # noqa: E402
 
 import autockpt  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
-from autockpt.base.runtime import default_loss  # noqa: E402
 from autockpt.distributed import fsdp_bf16_twin, measure_rank, wrap  # noqa: E402
 from autockpt.errors import GIB, format_bytes  # noqa: E402
 from autockpt.plan import Plan  # noqa: E402
@@ -66,8 +68,28 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
-def llama(shape: dict[str, int], seed: int = 0) -> nn.Module:
+FAMILIES = ("hf", "titan")
+"""``hf``: Hugging Face ``LlamaForCausalLM`` (captured with ``torch.export``); ``titan``: a
+torchtitan-shaped Llama written out (``benchmarks/e2e_models.py``: RMSNorm, rotary tables as
+buffers cast back to the activations' dtype, grouped-query SDPA, SwiGLU, untied head, its
+own cross-entropy; captured with fx)."""
+
+
+def llama(shape: dict[str, int], seed: int = 0, family: str = "hf") -> nn.Module:
     """The float32 model, its weights drawn under ``seed`` (on the current default device)."""
+    if family == "titan":
+        from benchmarks.e2e_models import Llama
+
+        torch.manual_seed(seed)
+        return Llama(
+            shape["vocab"],
+            shape["layers"],
+            shape["hidden"],
+            shape["heads"],
+            shape["kv"],
+            shape["mlp"],
+            shape["seq"],
+        ).train()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -89,14 +111,23 @@ def llama(shape: dict[str, int], seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(config).train()
 
 
-def batch(shape: dict[str, int], rank: int, device: str = "cpu") -> dict[str, Tensor]:
-    """Rank ``rank``'s sequence (its labels are its tokens: the model shifts them)."""
+def batch(shape: dict[str, int], rank: int, device: str = "cpu", family: str = "hf") -> Any:
+    """Rank ``rank``'s sequence: ``input_ids`` and ``labels`` (the tokens: Hugging Face's
+    model shifts them), or ``(tokens, next tokens)`` for the torchtitan-shaped one."""
     if device == "meta":
         ids = torch.empty(1, shape["seq"], dtype=torch.long, device="meta")
     else:
         generator = torch.Generator().manual_seed(100 + rank)
         ids = torch.randint(3, shape["vocab"], (1, shape["seq"]), generator=generator)
+    if family == "titan":
+        return (ids, ids.roll(-1, dims=1))
     return {"input_ids": ids, "labels": ids}
+
+
+def loss_of(output: Any) -> Tensor:
+    """The model's own loss: Hugging Face's ``.loss``, or the torchtitan-shaped model's
+    output, which is its cross-entropy."""
+    return output.loss if hasattr(output, "loss") else output
 
 
 def cpu_target() -> autockpt.Target:
@@ -109,16 +140,17 @@ def cpu_target() -> autockpt.Target:
     return autockpt.Target("cpu", "cpu", memory, rates, 2e10, "nominal rates of a 2-core CPU")
 
 
-def planner(shape: dict[str, int], device: str) -> Planner:
+def planner(shape: dict[str, int], device: str, family: str = "hf") -> Planner:
     """One rank's planner for the policy, on ``device`` (meta: no memory, no values, for
     :func:`cpu_target`)."""
     with torch.device(device):
-        model = llama(shape)
+        model = llama(shape, family=family)
     twin = fsdp_bf16_twin(model)  # what the policy computes with; float32 state counted
     del model
     return Planner(
         twin,
-        batch(shape, 0, device),
+        batch(shape, 0, device, family),
+        loss_fn=loss_of,
         optimizer=torch.optim.AdamW(twin.parameters()),
         world_size=WORLD_SIZE,
         sharding="fsdp",
@@ -133,7 +165,9 @@ def policy() -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def rank_main(rank: int, shape: dict[str, int], plan_json: str, out: str, steps: int) -> None:
+def rank_main(
+    rank: int, shape: dict[str, int], plan_json: str, out: str, steps: int, family: str = "hf"
+) -> None:
     """One rank: the planned run and FSDP2 alone, each measured over whole AdamW iterations,
     then one more step of each whose loss and gradients are saved."""
     import torch.distributed as dist
@@ -143,14 +177,14 @@ def rank_main(rank: int, shape: dict[str, int], plan_json: str, out: str, steps:
     store = f"file://{Path(out).resolve() / 'rendezvous'}"
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD_SIZE)
     plan = Plan.from_json(plan_json)
-    mine = batch(shape, rank)
+    mine = batch(shape, rank, family=family)
 
     def planned() -> tuple[nn.Module, Any]:
-        result = autockpt.apply(llama(shape), plan, mine)
+        result = autockpt.apply(llama(shape, family=family), plan, mine)
         return wrap(result, "fsdp", plan.fsdp_units, mp_policy=policy()), mine
 
     def alone() -> tuple[nn.Module, Any]:
-        model = llama(shape)
+        model = llama(shape, family=family)
         for unit in plan.fsdp_units:
             fully_shard(model.get_submodule(unit), mp_policy=policy())
         return fully_shard(model, mp_policy=policy()), mine
@@ -160,11 +194,14 @@ def rank_main(rank: int, shape: dict[str, int], plan_json: str, out: str, steps:
         for name, build in (("planned", planned), ("fsdp2 alone", alone)):
             started = time.perf_counter()
             model, inputs, measured = measure_rank(
-                build, optimizer=lambda m: torch.optim.AdamW(m.parameters()), warmup=steps - 1
+                build,
+                loss_fn=loss_of,
+                optimizer=lambda m: torch.optim.AdamW(m.parameters()),
+                warmup=steps - 1,
             )
             seconds = (time.perf_counter() - started) / steps
             torch.manual_seed(STEP_SEED)
-            loss = default_loss(model(**inputs.kwargs))
+            loss = loss_of(model(*inputs.args, **inputs.kwargs))
             loss.backward()
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
             found[name] = {
@@ -179,7 +216,9 @@ def rank_main(rank: int, shape: dict[str, int], plan_json: str, out: str, steps:
         dist.destroy_process_group()
 
 
-def run(quick: bool, out: Path, fraction: float, seq: int | None = None) -> dict[str, Any]:
+def run(
+    quick: bool, out: Path, fraction: float, seq: int | None = None, family: str = "hf"
+) -> dict[str, Any]:
     """Plan on meta and on real tensors, train on two ranks; return the row."""
     import torch.multiprocessing as mp
 
@@ -187,13 +226,13 @@ def run(quick: bool, out: Path, fraction: float, seq: int | None = None) -> dict
     if seq is not None:
         shape["seq"] = seq
     started = time.perf_counter()
-    on_meta = planner(shape, "meta")
+    on_meta = planner(shape, "meta", family)
     low, high = on_meta.minimum_peak_bytes, on_meta.no_checkpoint_peak_bytes
     budget = int(low + fraction * (high - low))
     plan = on_meta.optimize(budget_gb=budget / GIB).plan
     meta_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    on_cpu = planner(shape, "cpu")
+    on_cpu = planner(shape, "cpu", family)
     real = on_cpu.optimize(budget_gb=budget / GIB).plan
     cpu_seconds = time.perf_counter() - started
     agree = {
@@ -206,7 +245,7 @@ def run(quick: bool, out: Path, fraction: float, seq: int | None = None) -> dict
         agree["the meta plan's segments"] = (plan.predicted_peak_bytes, on_cpu.predict(ranges))
     with tempfile.TemporaryDirectory() as folder:
         steps = 3
-        mp.spawn(rank_main, args=(shape, plan.to_json(), folder, steps), nprocs=WORLD_SIZE)
+        mp.spawn(rank_main, args=(shape, plan.to_json(), folder, steps, family), nprocs=WORLD_SIZE)
         ranks = [torch.load(Path(folder) / f"rank{r}.pt") for r in range(WORLD_SIZE)]
     grad_error, loss_error = 0.0, 0.0
     for r in ranks:
@@ -214,8 +253,11 @@ def run(quick: bool, out: Path, fraction: float, seq: int | None = None) -> dict
         loss_error = max(loss_error, abs(float(got["loss"] - want["loss"])))
         for name, grad in want["grads"].items():
             grad_error = max(grad_error, float((got["grads"][name] - grad).abs().max()))
-    parameters = sum(p.numel() for p in llama(shape).parameters())
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in llama(shape, family=family).parameters())
     row = {
+        "family": family,
+        "capture": plan.capture_method,
         "shape": shape,
         "parameters": parameters,
         "world_size": WORLD_SIZE,
@@ -245,9 +287,10 @@ def run(quick: bool, out: Path, fraction: float, seq: int | None = None) -> dict
         "max_grad_error": grad_error,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "llama_ranks.json").write_text(json.dumps(row, indent=2, default=str))
-    _table(row, out / "llama_ranks.csv")
-    _figure(row, out / "llama_ranks.png")
+    name = "llama_ranks" if family == "hf" else f"llama_ranks_{family}"
+    (out / f"{name}.json").write_text(json.dumps(row, indent=2, default=str))
+    _table(row, out / f"{name}.csv")
+    _figure(row, out / f"{name}.png")
     return row
 
 
@@ -292,7 +335,11 @@ def _figure(row: dict[str, Any], path: Path) -> None:
     ax.axhline(row["budget_bytes"] / GIB, color="black", linestyle="--", label="budget")
     ax.set_xticks(list(ranks), [f"rank {r}" for r in ranks])
     ax.set_ylabel("GiB")
-    ax.set_title(f"Llama {row['parameters'] / 1e6:.0f}M planned on meta, 2 gloo ranks, fsdp-bf16")
+    which = "Hugging Face" if row["family"] == "hf" else "torchtitan-shaped"
+    ax.set_title(
+        f"{which} Llama {row['parameters'] / 1e6:.0f}M planned on meta, 2 gloo ranks, fsdp-bf16",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -306,7 +353,8 @@ def report(row: dict[str, Any]) -> bool:
     """Print the row; True when every rank is within its budget and 1% of the prediction."""
     predicted = row["predicted_peak_bytes"]
     print(
-        f"Llama {row['parameters'] / 1e6:.0f}M, {row['world_size']} ranks, FSDP2 + "
+        f"Llama {row['parameters'] / 1e6:.0f}M ({row['family']}, {row['capture']} capture), "
+        f"{row['world_size']} ranks, FSDP2 + "
         f"{row['precision']}, AdamW; units {len(row['fsdp_units'])}, segments "
         f"{len(row['segments'])} (planned on real tensors: {len(row['real_plan_segments'])})"
     )
@@ -346,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--fraction", type=float, default=0.3)
     parser.add_argument("--seq", type=int, default=None, help="tokens per rank's sequence")
+    parser.add_argument("--family", choices=FAMILIES, default="hf")
     parser.add_argument("--out", type=Path, default=Path("out/llama_ranks"))
     args = parser.parse_args(argv)
-    return 0 if report(run(args.quick, args.out, args.fraction, args.seq)) else 1
+    row = run(args.quick, args.out, args.fraction, args.seq, args.family)
+    return 0 if report(row) else 1
 
 
 if __name__ == "__main__":

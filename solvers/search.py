@@ -130,6 +130,17 @@ class RankShift:
     """Per stage, the part of the rank's transient that only its backward holds (FSDP2's
     reduce-scatter of a unit's gradients); the stage model counts it in both phases, a
     forward or recompute of the stage here does not. Empty: none."""
+    held: tuple[int, ...] = ()
+    """Per stage, what a rank holds when the stage's backward begins, from an earlier
+    moment of the backward, and through a recompute there (FSDP2's retained reduce-scatter
+    input of the group reduced before: NOTE [sharding: what a reduce-scatter holds] in
+    autockpt/planning/sharding.py); the windows count it for the backward itself. Empty:
+    none."""
+    gathering: tuple[int, ...] = ()
+    """Per compute node, what a rank holds more in that node's forward only (FSDP2's
+    all-gathers, which keep the previous group's output until the next collective: NOTE
+    [sharding: what a forward all-gather holds] in autockpt/planning/sharding.py; a group
+    gathered when a node ends is counted on that node). Empty: none."""
     end_bytes: int = 0
     """What a rank holds more than its gradients and static part say when its backward
     ends (FSDP2's root reduce-scatter, after every gathered parameter is resharded): a
@@ -143,6 +154,8 @@ class RankShift:
             raise ValueError("rank and single problems need the same stages")
         if self.windows and len(self.windows) != self.rank.num_stages:
             raise ValueError("windows needs one entry per stage (or none)")
+        if self.held and len(self.held) != self.rank.num_stages:
+            raise ValueError("held needs one entry per stage (or none)")
         if (
             self.rank.saved_bytes != self.single.saved_bytes
             or self.rank.input_bytes != self.single.input_bytes
@@ -178,7 +191,8 @@ class RankShift:
         if phase == "backward":
             return static + transient[stage] + gradients[stage]
         if phase == "recompute":
-            return static + transient[stage] - window + gradients[end]
+            held = self.held[end - 1] if self.held else 0
+            return static + transient[stage] - window + gradients[end] + held
         return static + transient[stage] - window
 
     def peak(
@@ -202,6 +216,8 @@ class RankShift:
         """Each slot's bytes on one rank (:meth:`peak`'s terms, in the slots' order)."""
         slots = list(slots)
         stage_of = _stage_of_node(tuple(stages))
+        if self.gathering and len(self.gathering) != len(stage_of):
+            raise ValueError("gathering needs one entry per compute node (or none)")
         last = len(stages) - 1
         by_first = {stages[start][0]: (start, end) for start, end in segments}
         # A stage whose backward has no slot of its own (an embedding's, whose gradient
@@ -232,6 +248,7 @@ class RankShift:
                     extra = max(extra, self.difference("end", 0))
             elif node >= 0 and phase in ("prologue", "forward"):
                 extra = self.difference("forward", stage_of[node])
+                extra += self.gathering[node] if self.gathering else 0
             else:  # the loss and its own backward: after the forward, before any gradient
                 extra = self.difference("forward", last)
             found.append(value + extra)

@@ -182,13 +182,20 @@ def test_fsdp_mixed_precision_keeps_float32_shards_and_gathers_bfloat16_units():
     # two units and the root gathered in bfloat16, as bf16-true gathers them
     bf16_gathered = 2 * 2 * max(unit_elements) + 2 * root_elements
     assert kept.gathered_parameters == gathered.gathered_parameters == bf16_gathered
-    # a unit's window: bfloat16 gradients, float32 reduce-scatter input and shard
-    windows = [2 * e + 4 * e + shard(4 * e) for e in unit_elements]
-    root_window = 4 * root_elements + shard(4 * root_elements)
-    assert kept.reduce_scatter == max([*windows, root_window])
+
+    # NOTE [sharding: what a reduce-scatter holds]: a window is the larger of every
+    # bfloat16 gradient beside the float32 input, and the group's last gradient (FSDP2's
+    # order: a block's down.bias, the root's head) beside input and shard; the previous
+    # unit's input, retained, beside the gradients being made is no larger here (equal units)
+    def window(elements: int, last: int, kept_size: int) -> int:
+        computed, kept_bytes = 2 * elements, kept_size * elements
+        return max(computed + kept_bytes, 2 * last + kept_bytes + shard(kept_bytes))
+
+    lasts = [u.down.bias.numel() for u in units] + [model.head.weight.numel()]
+    sizes = [*unit_elements, root_elements]
+    assert kept.reduce_scatter == max(window(e, b, 4) for e, b in zip(sizes, lasts, strict=True))
     assert gathered.reduce_scatter == max(
-        [2 * (2 * e) + shard(2 * e) for e in unit_elements]
-        + [2 * root_elements + shard(2 * root_elements)]
+        window(e, b, 2) for e, b in zip(sizes, lasts, strict=True)
     )
     # AdamW steps the float32 shards: twice the state of a bfloat16 rank (shards rounded up)
     assert abs(kept.optimizer_state - 2 * gathered.optimizer_state) <= 1
@@ -241,11 +248,15 @@ def test_cpu_ranks_count_gloos_copy_of_each_reduce_scatter_input(fsdp):
     unit_bytes = [4 * sum(p.numel() for p in u.parameters()) for u in units]
     root = 4 * sum(p.numel() for p in model.parameters()) - sum(unit_bytes)
 
+    lasts = [4 * u.down.bias.numel() for u in units] + [4 * model.head.weight.numel()]
+
+    def window(b: int, last: int, copies: int) -> int:
+        # every gradient beside the input; the last one beside the input's copies and shard
+        return max(b + b, last + b * (1 + copies) + -(-b // n))
+
     def windows(copies: int) -> int:
-        shard = lambda b: -(-b // n)  # noqa: E731
         return max(
-            [b + b * (1 + copies) + shard(b) for b in unit_bytes]
-            + [root * (1 + copies) + shard(root)]
+            window(b, last, copies) for b, last in zip([*unit_bytes, root], lasts, strict=True)
         )
 
     assert fsdp.rank_memory.reduce_scatter == windows(0)
@@ -253,7 +264,8 @@ def test_cpu_ranks_count_gloos_copy_of_each_reduce_scatter_input(fsdp):
     assert on_cpu.rank_memory.static == fsdp.rank_memory.static
     # the root's reduce-scatter, which ends backward, holds its input twice on CPU ranks
     gpu_end = fsdp.search.replay_chain.rank_shift.end_bytes
-    assert on_cpu.search.replay_chain.rank_shift.end_bytes - gpu_end == root
+    cpu_end = on_cpu.search.replay_chain.rank_shift.end_bytes
+    assert cpu_end - gpu_end == window(root, lasts[-1], 1) - window(root, lasts[-1], 0) > 0
     assert on_cpu.no_checkpoint_peak_bytes >= fsdp.no_checkpoint_peak_bytes
 
 
@@ -281,3 +293,84 @@ def test_a_refusal_under_fsdp2_mixed_precision_counts_accumulated_gradients_in_f
         found[precision] = refused.value.breakdown["accumulated gradients per rank"]
     assert abs(found["fsdp-bf16"] - 2 * found["bf16-true"]) <= 1
     assert found["bf16-true"] > 0
+
+
+# -- measured: what a reduce-scatter holds, on two gloo ranks ------------------------------------
+
+
+class RootHeavy(nn.Module):
+    """An embedding and a head (the root, both large) around one small unit: each rank
+    peaks at the root's reduce-scatter, which ends backward."""
+
+    def __init__(self, vocab: int = 8192, d: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.block = Block(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.block(self.emb(idx))).flatten(0, 1), target.flatten())
+
+
+def _root_heavy(
+    seed: int, frozen: bool = False
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = RootHeavy().train()
+    model.emb.weight.requires_grad_(not frozen)
+    idx = torch.randint(0, 8192, (2, 16), generator=torch.Generator().manual_seed(seed + 1))
+    return model, (idx, idx.roll(1, dims=1))
+
+
+def _root_heavy_rank(rank: int, world_size: int, plan_json: str, frozen: bool) -> dict:
+    import autockpt
+    from autockpt.distributed import measure_rank, wrap
+    from autockpt.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+
+    def build():
+        model, batch = _root_heavy(0, frozen)
+        model = autockpt.apply(model, plan, batch)
+        return wrap(model, "fsdp", plan.fsdp_units), batch
+
+    _, _, measured = measure_rank(build, loss_fn=lambda loss: loss)
+    return {"peak": measured.peak_bytes, "resident": measured.resident_bytes}
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen-embedding"])
+def test_the_root_reduce_scatter_holds_only_the_last_gradient_as_measured(tmp_path, frozen):
+    """NOTE [sharding: what a reduce-scatter holds]: FSDP2 releases a group's unsharded
+    gradients at the copy into the flat input, all but its last parameter's (the head's
+    here), so the root's reduce-scatter holds the head's gradient, not the embedding's.
+    Counting both put this rank's peak 2 MiB (the embedding's gradient, 15%) above the truth;
+    now the prediction is within 1% of the allocator's count, and not below it. A frozen
+    embedding is gathered but makes no gradient: the end of backward counts the gradients
+    the root makes, not its parameters (counting the parameters put it below the truth)."""
+    from tests.test_distributed import _spawn
+
+    model, batch = _root_heavy(0, frozen)
+    planner = quiet_planner(
+        model,
+        batch,
+        loss_fn=lambda loss: loss,
+        world_size=2,
+        sharding="fsdp",
+        fsdp_units=["block"],
+    )
+    plan = planner.optimize(budget_gb=planner.no_checkpoint_peak_bytes / GIB).plan
+    assert plan.fsdp_units == ("block",) and not plan.segments
+    embedding = model.emb.weight.nbytes
+    # gloo's worker thread drops its copy of the block's reduce-scatter input after the
+    # collective returns; on a loaded machine that free has come after the root's
+    # allocations (NOTE [sharding: the backend's reduce-scatter]): 199,924 bytes over, once
+    # in about ten runs; a race of the CPU backend, not part of the plan
+    late = sum(p.nbytes for p in model.block.parameters())
+    for got in _spawn(_root_heavy_rank, (plan.to_json(), frozen), tmp_path):
+        assert got["peak"] <= plan.predicted_peak_bytes + late
+        assert plan.predicted_peak_bytes <= 1.01 * got["peak"]
+        assert plan.predicted_peak_bytes - got["peak"] < embedding // 4

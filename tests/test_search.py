@@ -799,9 +799,13 @@ def test_search_is_exact_on_synthetic_steps(trace: MemoryTrace, data: st.DataObj
 
 
 @st.composite
-def rank_shifts(draw: st.DrawFn, num_stages: int, scale: int = 30) -> RankShift:
+def rank_shifts(
+    draw: st.DrawFn, num_stages: int, scale: int = 30, extras: bool = False
+) -> RankShift:
     """A single-process stage problem and a rank's: the same activations, other static,
-    gradient and transient terms (larger or smaller, as FSDP's windows and shards are)."""
+    gradient and transient terms (larger or smaller, as FSDP's windows and shards are).
+    ``extras``: maybe with backward-only windows (part of each transient), bytes held into
+    a stage's backward and its recomputes, and end and optimizer moments of their own."""
     n = num_stages
 
     def terms(top: int) -> list[int]:
@@ -822,7 +826,17 @@ def rank_shifts(draw: st.DrawFn, num_stages: int, scale: int = 30) -> RankShift:
         param_grad_bytes=terms(scale),
         transient_bytes=terms(2 * scale),
     )
-    return RankShift(rank, single)
+    if not (extras and draw(st.booleans())):
+        return RankShift(rank, single)
+    windows = tuple(draw(st.integers(0, t)) for t in rank.transient_bytes)
+    return RankShift(
+        rank,
+        single,
+        windows=windows,
+        held=tuple(draw(st.integers(0, w)) for w in windows),
+        end_bytes=draw(st.integers(-scale, scale)),
+        optimizer_bytes=draw(st.integers(-scale, scale)),
+    )
 
 
 def rank_peak(chain: ReplayChain, plan) -> int:
@@ -867,7 +881,12 @@ def test_search_is_exact_per_rank_on_synthetic_steps(
     difference, and its answers are brute force's under them (the branch and bound's
     bound, the replay's plus ``least_bytes``, stays one)."""
     chain = synthetic_chain(trace, data)
-    chain = dataclasses.replace(chain, rank_shift=data.draw(rank_shifts(chain.num_stages, 60)))
+    shift = data.draw(rank_shifts(chain.num_stages, 60, extras=True))
+    if shift.windows:  # and a forward's all-gathers, per node
+        nodes = trace.num_nodes
+        gathering = data.draw(st.lists(st.integers(0, 60), min_size=nodes, max_size=nodes))
+        shift = dataclasses.replace(shift, gathering=tuple(gathering))
+    chain = dataclasses.replace(chain, rank_shift=shift)
     rows = [
         (rank_peak(chain, p), recompute_seconds(chain, p), tuple(p))
         for p in all_plans(chain.num_stages)
@@ -937,6 +956,32 @@ def test_search_is_exact_per_rank_on_a_recorded_step() -> None:
             best[3],
         )
         assert got.status == "optimal"
+
+
+def test_a_recompute_holds_what_its_segments_last_backward_starts_with() -> None:
+    """NOTE [sharding: what a reduce-scatter holds]: a segment's recompute runs when the
+    backward reaches its last stage, beside what that stage's backward starts with held
+    (FSDP2's retained reduce-scatter input of the unit reduced before), and without the
+    recomputed stage's own window; a forward, and only a forward, holds its gathering."""
+    single = ChainProblem((1, 1, 1), (1, 1, 1), (1.0, 1.0, 1.0), 0)
+    rank = dataclasses.replace(single, transient_bytes=(10, 20, 30))
+    shift = RankShift(rank, single, windows=(4, 8, 12), held=(1, 2, 3), gathering=(5, 6, 7))
+    assert shift.difference("recompute", 0, end=2) == 10 - 4 + 2
+    assert shift.difference("recompute", 1, end=3) == 20 - 8 + 3
+    assert shift.difference("backward", 1) == 20
+    assert shift.difference("forward", 1) == 20 - 8
+    assert shift.least_bytes <= min(10 - 4, 20 - 8, 30 - 12)
+    # a node's forward holds the all-gathers counted on it (NOTE [sharding: what a forward
+    # all-gather holds]); its backward and a recompute do not
+    stages = [(0, 1), (1, 2), (2, 3)]
+    slots = [("forward", 1, 100), ("backward", 1, 100), ("recompute", 1, 100)]
+    moments = shift.moments(slots, [(1, 2)], stages)
+    assert moments[0] == 100 + shift.difference("forward", 1) + 6
+    assert moments[2] == 100 + shift.difference("recompute", 1, end=2)
+    with pytest.raises(ValueError, match="gathering"):
+        RankShift(rank, single, gathering=(1,)).moments(slots, [], stages)
+    with pytest.raises(ValueError, match="held"):
+        RankShift(rank, single, held=(1,))
 
 
 def test_a_rank_shift_must_keep_the_activations_and_the_stages() -> None:

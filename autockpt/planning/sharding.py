@@ -199,12 +199,23 @@ class _ParamSplit:
     computes with them (``unit_bytes``, ``root_bytes``: what is gathered) and as a rank
     keeps them (``unit_kept``, ``root_kept``: shards, gradient shards, reduce-scatters).
     The two differ under FSDP2's mixed precision only (NOTE [sharding: FSDP2 mixed
-    precision]); ``kept_ratio`` is kept over computed bytes, for the optimizer's state."""
+    precision]); ``kept_ratio`` is kept over computed bytes, for the optimizer's state.
+    ``unit_grads``, ``root_grads``: the computed bytes of the parameters with a gradient
+    (what a backward makes: a frozen parameter is gathered but has none), ``unit_kept_grads``,
+    ``root_kept_grads`` their kept bytes (what a reduce-scatter and the gradient shards
+    hold); ``unit_last``, ``root_last``: the gradient FSDP2 still holds through a group's
+    reduce-scatter (NOTE [sharding: what a reduce-scatter holds])."""
 
     unit_bytes: dict[str, int]
     root_bytes: int
     unit_kept: dict[str, int]
     root_kept: int
+    unit_grads: dict[str, int] = dataclasses.field(default_factory=dict)
+    root_grads: int = 0
+    unit_kept_grads: dict[str, int] = dataclasses.field(default_factory=dict)
+    root_kept_grads: int = 0
+    unit_last: dict[str, int] = dataclasses.field(default_factory=dict)
+    root_last: int = 0
 
     @property
     def kept_ratio(self) -> float:
@@ -223,17 +234,59 @@ def _param_split(
         for p in model.get_submodule(unit).parameters():
             owner.setdefault(id(p), unit)
     unit_bytes, unit_kept = dict.fromkeys(units, 0), dict.fromkeys(units, 0)
-    root = root_kept = 0
+    unit_grads, unit_kept_grads = dict.fromkeys(units, 0), dict.fromkeys(units, 0)
+    root = root_kept = root_grads = root_kept_grads = 0
     for p in {id(p): p for p in model.parameters()}.values():
         nbytes = p.numel() * p.element_size()
         kept = p.numel() * kept_dtype.itemsize if kept_dtype and p.is_floating_point() else nbytes
+        trained = p.requires_grad
         if id(p) in owner:
-            unit_bytes[owner[id(p)]] += nbytes
-            unit_kept[owner[id(p)]] += kept
+            unit = owner[id(p)]
+            unit_bytes[unit] += nbytes
+            unit_kept[unit] += kept
+            unit_grads[unit] += nbytes if trained else 0
+            unit_kept_grads[unit] += kept if trained else 0
         else:
             root += nbytes
             root_kept += kept
-    return _ParamSplit(unit_bytes, root, unit_kept, root_kept)
+            root_grads += nbytes if trained else 0
+            root_kept_grads += kept if trained else 0
+    last = {unit: _last_gradient_bytes(model.get_submodule(unit), set()) for unit in units}
+    inner = {id(m) for u in units for m in model.get_submodule(u).modules()}
+    return _ParamSplit(
+        unit_bytes,
+        root,
+        unit_kept,
+        root_kept,
+        unit_grads=unit_grads,
+        root_grads=root_grads,
+        unit_kept_grads=unit_kept_grads,
+        root_kept_grads=root_kept_grads,
+        unit_last=last,
+        root_last=_last_gradient_bytes(model, inner),
+    )
+
+
+def _last_gradient_bytes(group: nn.Module, skip: set[int]) -> int:
+    """Bytes of the last parameter with a gradient in FSDP2's order of a group's parameters
+    (its managed modules after their children, depth first, each module's own parameters
+    in order, ``_get_managed_states``), skipping the modules in ``skip`` (other units).
+    NOTE [sharding: what a reduce-scatter holds]."""
+    order: dict[int, nn.Parameter] = {}  # first occurrence of each (a tied weight once)
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in skip or id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            visit(child)
+        for p in module.parameters(recurse=False):
+            order.setdefault(id(p), p)
+
+    visit(group)
+    with_grad = [p for p in order.values() if p.requires_grad]
+    return with_grad[-1].numel() * with_grad[-1].element_size() if with_grad else 0
 
 
 def kept_ratio(model: nn.Module, units: tuple[str, ...], kept_dtype: str | None) -> float:
@@ -317,6 +370,7 @@ def rank_problem(
         accumulated_gradients=accumulated_gradients,
         kept_dtype=getattr(torch, kept_dtype) if kept_dtype else None,
         input_copies=REDUCE_SCATTER_INPUT_COPIES.get(run_device_type, 0),
+        gather_copies=ALL_GATHER_OUTPUT_COPIES.get(run_device_type, 0),
     )
 
 
@@ -359,18 +413,20 @@ def _ddp_rank_problem(
 # FSDP2 mixed precision] in autockpt/base/precision.py) the planned model is the bfloat16
 # step, and a rank keeps more than that model's parameters say. Per unit of ``P`` bfloat16
 # bytes (``2 P`` in float32): the shard is ``2 P / N`` (float32), the gathered unit ``P``
-# (bfloat16, all-gathered from bfloat16 casts of the shards), the backward window ``P``
-# (bfloat16 unsharded gradients) ``+ 2 P`` (the float32 reduce-scatter input FSDP2 casts
-# them into, ``foreach_reduce``) ``+ 2 P / N`` (the float32 sharded output, which becomes
-# the gradient shard); the root alike, gathered in bfloat16 for the whole step. The
+# (bfloat16, all-gathered from bfloat16 casts of the shards), the backward window of ``P``
+# of bfloat16 unsharded gradients, ``2 P`` of float32 reduce-scatter input FSDP2 casts them
+# into (``foreach_reduce``) and ``2 P / N`` of float32 sharded output, which becomes the
+# gradient shard (which of them are alive together: NOTE [sharding: what a reduce-scatter
+# holds]); the root alike, gathered in bfloat16 for the whole step. The
 # optimizer steps the float32 shards, so its state, planned on the bfloat16 model, is
 # counted at the float32 size (times the ratio of kept to computed parameter bytes), and
 # so are gradients a micro-batch accumulates. Buffers are not cast by FSDP2: plan a model
 # whose buffers are as they will be (``autockpt.distributed.fsdp_bf16_twin``). Checked on
 # two gloo ranks (tests/test_distributed.py, a GPT of 4 layers, width 64): resident 492,328
-# bytes measured against 492,288 predicted, peak 1,982,024 against 2,280,200 predicted (two
+# bytes measured against 492,288 predicted, peak 1,982,024 against 2,380,296 predicted (two
 # gathered units and the windows are counted for whole stages), gradients equal to FSDP2's
-# alone under the same policy.
+# alone under the same policy; a Hugging Face Llama of 124M parameters, whose peak is the
+# root's reduce-scatter, within 0.011% (benchmarks/llama_ranks.py).
 # NOTE [sharding: the backend's reduce-scatter]. FSDP2 reduce-scatters each unit's gradients
 # with ``dist.reduce_scatter_tensor`` on the process group of the device the ranks run on.
 # NCCL (CUDA) reduces into the output in place; gloo (CPU) copies the whole input first
@@ -379,8 +435,42 @@ def _ddp_rank_problem(
 # its input twice. The root's, which ends backward, is the largest on a Hugging Face
 # decoder (embedding and head). Keyed by the run's device type: a meta plan without a
 # target is for a GPU (autockpt/planning/prepared.py), one made on CPU tensors for CPU.
+# Not modelled: gloo's worker thread frees its copy after the collective has returned, and
+# on a loaded machine that free can come after the next group's allocations (a unit's
+# input: 199,924 bytes above the prediction, once in about ten runs of the root-heavy
+# model of tests/test_rank_memory.py, with the rest of the suite running); NCCL has none.
 REDUCE_SCATTER_INPUT_COPIES: dict[str, int] = {"cpu": 1}
 """Extra copies of a reduce-scatter's input the backend allocates, by run device type."""
+
+# NOTE [sharding: what a forward all-gather holds]. FSDP2 gathers a group when its forward
+# starts (``unshard``, ``wait_for_unshard``, torch 2.13 and 2.14 alike): the flat all-gather
+# output is allocated (a bfloat16 cast of the shards beside it under mixed precision, the
+# backend's copy of it during gloo's collective: 199,936 bytes for a 199,936-byte unit,
+# measured), then the unsharded parameters are copied out of it, and in forward the output
+# is kept (``comm_ctx.all_gather_state``) until the next group's collective is done, the
+# root's after the step's last unit. So at a group's gather a rank holds the root, the
+# previous group's output and this one's, with its copies; at the root's own, at the start
+# of forward, the root twice. The static part counts the root and two units (current and
+# prefetched: what backward holds); a stage's forward counts what these moments hold more
+# (``RankShift.gathering``). Found on two gloo ranks: a root of an embedding and a head
+# around one small unit peaked at the first unit's gather, 4.1 MB (the root's retained
+# output) above what the static part counted.
+ALL_GATHER_OUTPUT_COPIES: dict[str, int] = {"cpu": 1}
+"""Extra copies of an all-gather's output the backend allocates, by run device type."""
+
+# NOTE [sharding: what a reduce-scatter holds]. A unit's gradients, read from FSDP2's
+# ``post_backward`` and ``foreach_reduce`` (torch 2.13 and 2.14 alike): the unit's gathered
+# parameters are resharded first; the flat input is allocated (every unsharded gradient
+# alive beside it: ``computed + kept``), the gradients copied in and released, except the
+# group's last parameter's, which the loop over ``(param, grad)`` pairs still names until
+# ``foreach_reduce`` returns; then the sharded output, and the backend's copies of the
+# input (``last + kept * (1 + copies) + kept / N``). The input itself is kept after the
+# call (``reduce_scatter_states``, at most ``reduce_scatter_max_input_buffers``, 1 by
+# default) until the next group's ``post_backward``: through the next unit's backward, or
+# the root's, until the root's own reduce-scatter. Measured on two gloo ranks, a Hugging
+# Face Llama of 124M parameters: counting every root gradient alive through the root's
+# reduce-scatter put the peak 49.3 MB high, the embedding's bfloat16 gradient (49.2 MB),
+# released at the copy; the head's, the root's last parameter, stays.
 
 
 def _fsdp_rank_problem(
@@ -397,6 +487,7 @@ def _fsdp_rank_problem(
     accumulated_gradients: int,
     kept_dtype: torch.dtype | None,
     input_copies: int = 0,
+    gather_copies: int = 0,
 ) -> tuple[RankShift, RankMemory]:
     """One FSDP2 rank: sharded units and state, plus two units gathered in full."""
     n = sharding.world_size
@@ -410,19 +501,18 @@ def _fsdp_rank_problem(
     kept_accumulated = round(accumulated_gradients * split.kept_ratio)
     sharded_resident = rank_share(kept_state, sharding) + rank_share(kept_accumulated, sharding)
     rest -= optimizer_state + accumulated_gradients - sharded_resident
-    grads, transient, windows = _fsdp_stage_terms(problem, stages, capture, split, n, input_copies)
+    grads, transient, windows, held = _fsdp_stage_terms(
+        problem, stages, capture, split, n, input_copies
+    )
+    root_window = _unit_window(
+        split.root_grads, split.root_kept_grads, split.root_last, n, input_copies
+    )
     memory = RankMemory(
         parameters=local_params,
         gradients=local_params,
         buckets=0,
         gathered_parameters=gathered,
-        reduce_scatter=max(
-            [
-                _unit_window(split.unit_bytes[u], split.unit_kept[u], n, input_copies)
-                for u in split.unit_bytes
-            ]
-            + [_reduce_scatter(split.root_kept, n, input_copies)]
-        ),
+        reduce_scatter=max([*windows, root_window]),
         static=local_params + buffers + inputs + _shard(kept_state, n),
         optimizer_state=_shard(kept_state, n),
     )
@@ -434,32 +524,83 @@ def _fsdp_rank_problem(
     )
     # When backward ends FSDP2 has resharded every unit and the root (reshard after
     # backward), then reduce-scatters the root's gradients; the optimizer steps shards.
-    root_shard = _shard(split.root_kept, n)
+    root_shard = _shard(split.root_kept_grads, n)
     shift = RankShift(
         rank,
         problem,
         windows=tuple(windows),
-        end_bytes=_reduce_scatter(split.root_kept, n, input_copies) - gathered,
-        optimizer_bytes=root_shard - split.root_bytes - gathered,
+        held=tuple(held),
+        gathering=_fsdp_gathering(stages, capture, split, n, gather_copies),
+        end_bytes=root_window - split.root_grads - gathered,
+        optimizer_bytes=root_shard - split.root_grads - gathered,
     )
     return shift, memory
 
 
-def _unit_window(computed: int, kept: int, n: int, input_copies: int = 0) -> int:
-    """A unit's reduce-scatter window: its unsharded gradients (the step's dtype) beside
-    the collective (:func:`_reduce_scatter`). The gradients are counted alive through it:
-    the safe side, as FSDP2 frees some of them at the copy into the flat input and not
-    others (docs/distributed.md, "Planned before launch")."""
-    return computed + _reduce_scatter(kept, n, input_copies)
+def _unit_window(
+    computed: int, kept: int, last: int, n: int, input_copies: int = 0, retained: int = 0
+) -> int:
+    """A group's backward window (NOTE [sharding: what a reduce-scatter holds]), counted
+    with its unsharded gradients (``computed`` bytes, ``last`` of them held to the end):
+    while they are made, the previous group's retained input (``retained``) beside them;
+    the flat input allocated beside them all; the collective (:func:`_reduce_scatter`)
+    beside the last one. The gathered parameters, resharded before the reduce-scatter,
+    stay counted (the safe side)."""
+    return max(
+        retained + computed,
+        computed + kept,
+        last + _reduce_scatter(kept, n, input_copies),
+    )
 
 
 def _reduce_scatter(kept: int, n: int, input_copies: int = 0) -> int:
     """One reduce-scatter of ``kept`` bytes (the kept dtype: FSDP2 casts the gradients into
     its flat input, allocated in its ``reduce_dtype``): the input, the backend's copies of
-    it (NOTE [sharding: the backend's reduce-scatter]) and the sharded output. The root's,
-    which ends backward, is this alone: its unsharded gradients are counted with the
-    others until then."""
+    it (NOTE [sharding: the backend's reduce-scatter]) and the sharded output."""
     return kept * (1 + input_copies) + _shard(kept, n)
+
+
+def _fsdp_gathering(
+    stages: tuple[tuple[int, int], ...],
+    capture: Capture,
+    split: _ParamSplit,
+    n: int,
+    gather_copies: int = 0,
+) -> tuple[int, ...]:
+    """Per compute node, what its forward holds beyond the root and two units the static
+    part counts, at FSDP2's all-gathers (NOTE [sharding: what a forward all-gather holds]):
+    the root's retained output until the first unit's gather; each unit's gather counted on
+    the node before it (the moment it starts, after that node), or on the unit's own node
+    when it is the first."""
+    root, nodes = split.root_bytes, stages[-1][1] if stages else 0
+    counted = root + 2 * max(split.unit_bytes.values(), default=0)
+    mixed = split.unit_bytes != split.unit_kept or root != split.root_kept
+
+    def gather(size: int) -> int:  # the output, and its copies or the shards' cast
+        return size + max(size * gather_copies, _shard(size, n) if mixed else 0)
+
+    extra = [0] * nodes
+    retained = root  # the root's output, kept until the first unit's gather
+    held = max(root + retained, gather(root))  # the root, then its output, at the start
+    unit_of_node = _unit_calls(capture, split)
+    for i in range(nodes):
+        unit = unit_of_node.get(i)
+        if unit is not None:
+            at = max(i - 1, 0)
+            moment = root + retained + gather(split.unit_bytes[unit])
+            extra[at] = max(extra[at], moment - counted)
+            retained, held = split.unit_bytes[unit], 0
+        extra[i] = max(extra[i], held - counted)
+    return tuple(max(0, x) for x in extra)
+
+
+def _unit_calls(capture: Capture, split: _ParamSplit) -> dict[int, str]:
+    """The compute nodes that call a unit, by index: the unit's name."""
+    return {
+        i: str(node.target)
+        for i, node in enumerate(capture.compute_nodes())
+        if node.op == "call_module" and str(node.target) in split.unit_bytes
+    }
 
 
 def _fsdp_stage_terms(
@@ -469,39 +610,32 @@ def _fsdp_stage_terms(
     split: _ParamSplit,
     n: int,
     input_copies: int = 0,
-) -> tuple[list[int], list[int], list[int]]:
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """Each stage's gradient and transient bytes on an FSDP2 rank (unit windows, then
-    shards), and the windows alone (what only the stage's backward holds)."""
-    nodes = capture.compute_nodes()
-    unit_of_node = {
-        i: str(node.target)
-        for i, node in enumerate(nodes)
-        if node.op == "call_module" and str(node.target) in split.unit_bytes
-    }
+    shards), the windows alone (what only the stage's backward holds) and what a stage's
+    backward starts with held (the retained input of the previous reduce-scatter)."""
+    unit_of_node = _unit_calls(capture, split)
     grads = list(problem.param_grad_bytes)
     transient = list(problem.transient_bytes)
     windows = [0] * len(stages)
-    for k, (start, end) in enumerate(stages):
-        unit_grads = 0
-        window = 0
-        for i in range(start, end):
+    held = [0] * len(stages)
+    retained = 0  # the input of the last reduce-scatter, kept until the next group's
+    for k in range(len(stages) - 1, -1, -1):  # in backward's order
+        start, end = stages[k]
+        window = held[k] = retained
+        for i in range(end - 1, start - 1, -1):
             unit = unit_of_node.get(i)
-            if unit is not None:
-                size = split.unit_bytes[unit]
-                unit_grads += size
-                window = max(window, _unit_window(size, split.unit_kept[unit], n, input_copies))
-        # Unit gradients persist as shards; root gradients stay full until the end.
-        grads[k] = (
-            grads[k]
-            - unit_grads
-            + sum(
-                _shard(split.unit_kept[unit_of_node[i]], n)
-                for i in range(start, end)
-                if i in unit_of_node
+            if unit is None:
+                continue
+            made, kept = split.unit_grads[unit], split.unit_kept_grads[unit]
+            window = max(
+                window, _unit_window(made, kept, split.unit_last[unit], n, input_copies, retained)
             )
-        )
+            retained = kept
+            # Unit gradients persist as shards; root gradients stay full until the end.
+            grads[k] += _shard(kept, n) - made
         transient[k] += window
         windows[k] = window
     # Root gradients stay full until the root's reduce-scatter ends backward: a moment of
     # its own (RankShift.end_bytes), after which the root keeps their shard.
-    return grads, transient, windows
+    return grads, transient, windows, held
