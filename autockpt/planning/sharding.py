@@ -39,8 +39,11 @@ Design (and why):
   - FSDP2: each unit's parameters and gradients are sharded ``N`` ways. While a unit runs
     (forward, recompute or backward) its parameters are all-gathered to full size, and the
     next unit's may be prefetched, so two of the largest unit are counted for the whole
-    step. A unit's backward holds its full unsharded gradients plus a flat reduce-scatter
-    input of the same size and the sharded output. Parameters outside every unit belong to
+    step; in forward each gather also holds the previous group's output (NOTE [sharding:
+    what a forward all-gather holds]). A unit's backward makes its full unsharded
+    gradients, a flat reduce-scatter input of the same size kept until the next group's,
+    and the sharded output (NOTE [sharding: what a reduce-scatter holds]). Parameters
+    outside every unit belong to
     the root, which FSDP2 does not reshard after forward: they are full-size for the whole
     step, and their gradients are full-size until the reduce-scatter that ends backward.
     Under FSDP2's mixed precision a rank keeps float32 shards of a bfloat16 step (NOTE
