@@ -71,6 +71,10 @@ must not make every later prediction of the model absurd."""
 STORE_VERSION = 1
 """Bumped when what a stored file means changes: older files are then not read."""
 
+_WRITTEN_HERE: set[str] = set()
+"""Timing files this process stored: read back, they are its own seconds, not an earlier
+process's (``Timing.reused``, and the plan's note that says which)."""
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -85,7 +89,8 @@ class Timing:
     stored: str | None = None
     """The file the seconds were read from or written to (None: nothing stored)."""
     reused: bool = False
-    """Whether an earlier process measured them (this one's own times were not used)."""
+    """Whether another process measured them (read from a file this process did not
+    write: this one's own times were not used)."""
     factors: StepFactors | None = None
     """How the step ran against its nodes timed alone, once a verified plan timed it
     (NOTE [timing: step factors]; None: not yet, or nothing stored)."""
@@ -299,7 +304,10 @@ def settle(key: str, measured: Timing) -> Timing:
     if found is None:
         return measured
     # this process's file when it won the race: its own seconds, not reused
-    return found if found.forward != measured.forward else measured.stored_at(str(path))
+    if found.forward != measured.forward:
+        return found
+    _WRITTEN_HERE.add(str(path))
+    return measured.stored_at(str(path))
 
 
 def _read(path: Path, nodes: int) -> Timing | None:
@@ -315,7 +323,7 @@ def _read(path: Path, nodes: int) -> Timing | None:
         segment=float(data["segment"]),
         loss=float(data.get("loss", 0.0)),
         stored=str(path),
-        reused=True,
+        reused=str(path) not in _WRITTEN_HERE,
     ).with_stored_factors()
 
 
