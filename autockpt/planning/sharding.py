@@ -504,8 +504,9 @@ def _fsdp_rank_problem(
     kept_accumulated = round(accumulated_gradients * split.kept_ratio)
     sharded_resident = rank_share(kept_state, sharding) + rank_share(kept_accumulated, sharding)
     rest -= optimizer_state + accumulated_gradients - sharded_resident
+    unit_of_node = _unit_calls(capture, split)
     grads, transient, windows, held = _fsdp_stage_terms(
-        problem, stages, capture, split, n, input_copies
+        problem, stages, unit_of_node, split, n, input_copies
     )
     root_window = _unit_window(
         split.root_grads, split.root_kept_grads, split.root_last, n, input_copies
@@ -533,7 +534,7 @@ def _fsdp_rank_problem(
         problem,
         windows=tuple(windows),
         held=tuple(held),
-        gathering=_fsdp_gathering(stages, capture, split, n, gather_copies),
+        gathering=_fsdp_gathering(stages, unit_of_node, split, n, gather_copies),
         end_bytes=root_window - split.root_grads - gathered,
         optimizer_bytes=root_shard - split.root_grads - gathered,
     )
@@ -565,7 +566,7 @@ def _reduce_scatter(kept: int, n: int, input_copies: int = 0) -> int:
 
 def _fsdp_gathering(
     stages: tuple[tuple[int, int], ...],
-    capture: Capture,
+    unit_of_node: dict[int, str],
     split: _ParamSplit,
     n: int,
     gather_copies: int = 0,
@@ -585,7 +586,6 @@ def _fsdp_gathering(
     extra = [0] * nodes
     retained = root  # the root's output, kept until the first unit's gather
     held = max(root + retained, gather(root))  # the root, then its output, at the start
-    unit_of_node = _unit_calls(capture, split)
     for i in range(nodes):
         unit = unit_of_node.get(i)
         if unit is not None:
@@ -609,7 +609,7 @@ def _unit_calls(capture: Capture, split: _ParamSplit) -> dict[int, str]:
 def _fsdp_stage_terms(
     problem: ChainProblem,
     stages: tuple[tuple[int, int], ...],
-    capture: Capture,
+    unit_of_node: dict[int, str],
     split: _ParamSplit,
     n: int,
     input_copies: int = 0,
@@ -617,7 +617,6 @@ def _fsdp_stage_terms(
     """Each stage's gradient and transient bytes on an FSDP2 rank (unit windows, then
     shards), the windows alone (what only the stage's backward holds) and what a stage's
     backward starts with held (the retained input of the previous reduce-scatter)."""
-    unit_of_node = _unit_calls(capture, split)
     grads = list(problem.param_grad_bytes)
     transient = list(problem.transient_bytes)
     windows = [0] * len(stages)
