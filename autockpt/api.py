@@ -404,7 +404,7 @@ class Planner:
                 accumulation_steps, probe, self.precision, device, cache, target,
             )  # fmt: skip
             """Every input of planning, checked and frozen (NOTE [planning: one request])."""
-            with self.precision.entered():  # the one asked for, or the caller's
+            with self.precision.entered(device):  # the one asked for, or the caller's
                 self.route: Route = choose_route(
                     model,
                     self.inputs,

@@ -160,14 +160,20 @@ class Precision:
         return None
 
     @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
+    def entered(self, device: torch.device | None = None) -> Iterator[None]:
         """Run a block in this autocast state (each of its contexts entered, every other
         one disabled), whatever the caller's is: the planner verifies its plan in the
-        state it planned in."""
+        state it planned in.
+
+        ``device``: where the block's tensors are (the model's device; ``None``: a GPU's if
+        one is present). A GPU's autocast is emulated on the CPU wherever they are not on a
+        GPU: a meta model runs as fake CPU tensors, which ``torch.autocast("cuda")`` does
+        not cast even on a machine that has a GPU."""
+        on_gpu = torch.cuda.is_available() if device is None else device.type == "cuda"
         with contextlib.ExitStack() as stack:
             planned = dict(self.autocast)
-            if "cuda" in planned and not torch.cuda.is_available():
-                # planned for a GPU from a machine without one: its autocast on the CPU
+            if "cuda" in planned and not on_gpu:
+                # planned for a GPU, run where there is none: its autocast on the CPU
                 # (NOTE [precision: a GPU's autocast on the CPU])
                 dtype = getattr(torch, planned.pop("cuda"))
                 planned.setdefault("cpu", _name(dtype))

@@ -97,7 +97,7 @@ def measure_step(
         mark_verified_compiled(inner)  # so tracing it raises no CompileWarning
     worst_case = worst_case_draws() if draws and not compiled else contextlib.nullcontext()
     assert request.precision is not None
-    with request.precision.entered(), training_mode(result), worst_case:
+    with request.precision.entered(request.device), training_mode(result), worst_case:
         measured = measure(
             result,
             inputs,

@@ -215,7 +215,7 @@ class CapturedRoute:
             with (
                 as_found(self.model, self.inputs),
                 training_mode(self.model),
-                self.request.precision.entered(),
+                self.request.precision.entered(self.request.device),
             ):
                 self._as_written_shift = as_written_shift(
                     self.model, self.capture, self.inputs, self.request.loss_fn

@@ -443,7 +443,7 @@ class CompiledRoute:
             return graph.budgeted_bytes(checked), checked.peak_bytes
 
         def side_by_side(modules: list[nn.Module]) -> list[float]:
-            with graph.request.precision.entered():
+            with graph.request.precision.entered(graph.request.device):
                 return time_steps(modules, graph.inputs, loss_fn=graph.request.loss_fn)
 
         while True:
