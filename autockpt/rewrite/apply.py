@@ -14,6 +14,7 @@ user's module it was made from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -24,7 +25,8 @@ import torch
 from torch import nn
 
 from autockpt.base.inputs import Inputs, given_input_names
-from autockpt.base.runtime import as_found, training_mode, warn_if_eval
+from autockpt.base.precision import Precision
+from autockpt.base.runtime import as_found, device_of, training_mode, warn_if_eval
 from autockpt.capture.captured import Capture
 from autockpt.capture.front import capture
 from autockpt.distributed import check_not_wrapped, release_planning_garbage, step_model
@@ -237,7 +239,7 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
     method = "export" if plan.capture_method == "export" else "fx"
     warn_if_eval(model)
     try:
-        with training_mode(model):
+        with training_mode(model), _planned_autocast(plan, method, model, capture_inputs):
             captured = capture(
                 # an export graph holds the planned dtypes (FSDP2's bfloat16 step)
                 step_model(model, plan) if method == "export" else model,
@@ -281,6 +283,19 @@ def _apply(model: nn.Module, plan: Plan, example_inputs: Any) -> nn.Module:
         result = hand_back(rewritten)
     result.plan = plan
     return result
+
+
+def _planned_autocast(
+    plan: Plan, method: str, model: nn.Module, inputs: Inputs | None
+) -> contextlib.AbstractContextManager[None]:
+    """The autocast the plan was made in, for an export capture: ``torch.export`` writes
+    autocast's casts into the graph, so a plan made for a bfloat16 autocast step (on meta for
+    a GPU, say) is for a graph with them, whatever autocast the caller is in while applying
+    it. fx graphs hold module calls and no casts: captured as they are."""
+    planned = Precision.from_notes(plan.notes) if method == "export" else None
+    if planned is None:
+        return contextlib.nullcontext()
+    return planned.entered(device_of(model, inputs or Inputs((), {})))
 
 
 def _recorded_inputs(model: nn.Module, plan: Plan) -> Inputs:
