@@ -63,6 +63,7 @@ def _capture_export(
     calls where they can (NOTE [capture: module calls]): the capture's ``leaf_modules`` are
     those that do, and a note says why each other one does not."""
     dropped: list[str] = []
+    inputs = _each_input_its_own(inputs)
     exported, watch, seen = _export_watched(model, inputs, dropped, fx_failure, module_calls)
     dynamic = _dynamic_shapes(model, inputs)
     exported, dynamic_failure = _export_dynamic(
@@ -99,6 +100,33 @@ def _capture_export(
     notes.append(_how_captured(fx_failure))
     notes.extend(_assignment_and_size_notes(assigned, dynamic, dynamic_failure, dims))
     return Capture(gm, "export", kept, notes, extras, dims)
+
+
+def _each_input_its_own(inputs: Inputs) -> Inputs:
+    """``inputs`` with a tensor passed a second time replaced by a copy (NOTE [capture: one
+    tensor passed twice]).
+
+    NOTE [capture: one tensor passed twice]. Examples often pass one tensor for two
+    parameters (``input_ids=ids, labels=ids``). torch.export traces each input as one fake
+    tensor, so the graph reads whichever placeholder came last wherever the tensor is used:
+    Hugging Face Llama's embedding read ``labels``. Called later with labels of their own
+    (-100 where masked) the captured step embedded the labels: wrong values, or an index
+    error. Each input is therefore traced as its own tensor; the copy is made only while
+    capturing (free on meta, one input's bytes otherwise), and the graph is the same
+    whether the example shared the tensor or not, so a plan made with shared inputs applies
+    to calls with separate ones."""
+    seen: set[int] = set()
+
+    def own(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            return leaf
+        return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+
+    args, kwargs = torch.utils._pytree.tree_map(own, (inputs.args, inputs.kwargs))
+    return Inputs(args, kwargs)
 
 
 def _export_watched(
