@@ -563,11 +563,15 @@ def test_nodes_carry_module_paths_alike_under_fx_and_export():
     assert [node_module(n) for n in softmax] == ["blocks.0.attn", "blocks.1.attn", "blocks.0.attn"]
 
 
+@pytest.mark.parametrize("precision", [None, "bf16-mixed"])
 @pytest.mark.parametrize("method", ["fx", "export"])
-def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method):
+def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method, precision):
     """Plans move between devices: the device is not part of a plan's identity (an export
     graph writes it into its operators' arguments), shapes and dtypes are. Planned on meta,
-    applied to the same model on the CPU, it trains like the model."""
+    applied to the same model on the CPU, it trains like the model. Planned for a GPU's
+    bfloat16 autocast, an export graph holds autocast's casts: the plan applies to the
+    float32 model all the same (captured in the plan's autocast); its steps are the GPU's
+    (``python -m benchmarks.on_target`` runs them there)."""
     if method == "fx":
         from autockpt_zoo.toy import gpt
 
@@ -605,10 +609,14 @@ def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method):
         meta_example,
         budget_gb=1.0,
         loss_fn=lambda out: out[-1] if isinstance(out, tuple) else out.loss,
+        precision=precision,
     )
     assert planned.plan.capture_method == method and planned.plan.device == "meta"
     fast = autockpt.apply(real.train(), planned.plan, example)
     assert fast.plan.graph_fingerprint == planned.plan.graph_fingerprint
+    if precision is not None:
+        assert "cuda:bfloat16" in " ".join(fast.plan.notes)
+        return
 
     def step(module: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
         module.zero_grad(set_to_none=True)
@@ -621,6 +629,52 @@ def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method):
     loss, grads = step(fast)
     torch.manual_seed(0)
     eager_loss, eager_grads = step(real)
+    torch.testing.assert_close(loss, eager_loss)
+    for got, want in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_tensor_passed_twice_is_captured_as_two_inputs():
+    """NOTE [capture: one tensor passed twice]: planned with ``input_ids=ids, labels=ids``
+    (what the examples do), the exported graph embedded ``labels``; a later call with labels
+    of their own, masked with -100, raised an index error. Each input is its own tensor in
+    the graph: that call trains like the model, and the plan is the one made with separate
+    tensors."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        use_cache=False,
+        attn_implementation="sdpa",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, (2, 32))
+    shared = autockpt.optimize(
+        model, {"input_ids": ids, "labels": ids}, budget_gb=1.0, loss_fn=lambda o: o.loss
+    )
+    assert shared.plan.capture_method == "export"
+    separate = autockpt.apply(model, shared.plan, {"input_ids": ids, "labels": ids.clone()})
+    assert separate.plan.graph_fingerprint == shared.plan.graph_fingerprint
+    other = torch.randint(0, 256, (2, 32))
+    labels = other.clone()
+    labels[:, :5] = -100
+
+    def step(module: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        module.zero_grad(set_to_none=True)
+        loss = module(input_ids=other, labels=labels).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in module.parameters()]
+
+    loss, grads = step(shared)
+    eager_loss, eager_grads = step(model)
     torch.testing.assert_close(loss, eager_loss)
     for got, want in zip(grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want)

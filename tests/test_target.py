@@ -82,6 +82,21 @@ def test_a_gpus_autocast_is_planned_on_meta_with_cudas_float32_operators():
     assert bf16.step_seconds < fp32.step_seconds
 
 
+def test_a_meta_plan_for_a_gpus_autocast_is_the_same_on_a_machine_with_a_gpu(monkeypatch):
+    """A meta model runs as fake CPU tensors, which torch.autocast("cuda") does not cast:
+    planned on a machine that has a GPU, its step is still the GPU's autocast emulated on
+    the CPU (a plan made there was of a float32 step: 16% above the measured peak of a 1B
+    Llama on an H200, and an export graph without the casts the run's graph has)."""
+    x = torch.empty(256, 256, device="meta")
+    here = Planner(mlp_stack(), x, loss_fn=loss, target="h100", precision="bf16-mixed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with_gpu = Planner(mlp_stack(), x, loss_fn=loss, target="h100", precision="bf16-mixed")
+    assert with_gpu.breakdown == here.breakdown
+    assert with_gpu.no_checkpoint_peak_bytes == here.no_checkpoint_peak_bytes
+    fp32 = Planner(mlp_stack(), x, loss_fn=loss, target="h100")
+    assert with_gpu.breakdown[ACTIVATIONS] != fp32.breakdown[ACTIVATIONS]
+
+
 def test_cuda_autocast_rules_on_cpu_autocast():
     x = torch.randn(4, 8).bfloat16()
     w = torch.randn(8, 8)
@@ -93,6 +108,32 @@ def test_cuda_autocast_rules_on_cpu_autocast():
         assert F.linear(x.float(), w).dtype == torch.bfloat16
         assert torch.einsum("ij,jk->ik", x.float(), w).dtype == torch.bfloat16
         assert (x.float() + 1).dtype == torch.float32  # not listed: as CPU autocast runs it
+
+
+def test_cross_entropy_runs_as_cuda_autocast_runs_it():
+    """CUDA autocast does not cast cross_entropy's logits (CPU autocast does): its
+    log_softmax runs in bfloat16 and is saved so, and nll_loss gets a float32 copy. The
+    chain and saved dtypes as an H200 recorded them (torch 2.11, docs/large-runs.md)."""
+    logits = torch.randn(16, 100, requires_grad=True)
+    target = torch.randint(0, 100, (16,))
+    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastOnCpu(torch.bfloat16):
+        loss = F.cross_entropy(logits.bfloat16(), target)
+        smoothed = F.cross_entropy(logits.bfloat16(), target, label_smoothing=0.1)
+    chain, node = [], loss.grad_fn
+    while node is not None and len(chain) < 3:
+        chain.append(node)
+        node = node.next_functions[0][0]
+    assert [type(n).__name__ for n in chain] == [
+        "NllLossBackward0",
+        "ToCopyBackward0",
+        "LogSoftmaxBackward0",
+    ]
+    assert chain[0]._saved_self.dtype == torch.float32
+    assert chain[2]._saved_result.dtype == torch.bfloat16
+    with torch.autocast("cpu", enabled=False):
+        want = F.cross_entropy(logits.bfloat16().float(), target)
+    torch.testing.assert_close(loss, want, rtol=2e-2, atol=2e-2)
+    assert smoothed.dtype == torch.float32  # other forms: as a float32 operator
 
 
 def test_a_target_gives_the_default_budget_roofline_times_and_is_said_in_the_plan():
