@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -563,6 +564,24 @@ def test_nodes_carry_module_paths_alike_under_fx_and_export():
     assert [node_module(n) for n in softmax] == ["blocks.0.attn", "blocks.1.attn", "blocks.0.attn"]
 
 
+def _tiny_llama_config() -> Any:
+    """A 2-layer Hugging Face Llama's config with SDPA attention (export-captured)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        use_cache=False,
+        attn_implementation="sdpa",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+
+
 @pytest.mark.parametrize("precision", [None, "bf16-mixed"])
 @pytest.mark.parametrize("method", ["fx", "export"])
 def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method, precision):
@@ -583,26 +602,14 @@ def test_a_plan_made_on_the_meta_device_applies_to_the_real_model(method, precis
         transformers = pytest.importorskip("transformers")
         # scaled-dot-product attention: a meta model is traced as the device it runs on, so
         # its export graph is the CPU's (NOTE [capture: meta traced as a device])
-        config = transformers.LlamaConfig(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=128,
-            vocab_size=256,
-            use_cache=False,
-            attn_implementation="sdpa",
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
+        config = _tiny_llama_config()
         torch.manual_seed(0)
         real = transformers.LlamaForCausalLM(config)
         with torch.device("meta"):
             meta = transformers.LlamaForCausalLM(config)
         ids = torch.randint(0, 256, (2, 32))
         example = {"input_ids": ids, "labels": ids}
-        on_meta = ids.to("meta")  # one tensor for both, as on the CPU (sharing is traced)
+        on_meta = ids.to("meta")
         meta_example = {"input_ids": on_meta, "labels": on_meta}
     planned = autockpt.optimize(
         meta.train(),
@@ -641,19 +648,7 @@ def test_a_tensor_passed_twice_is_captured_as_two_inputs():
     the graph: that call trains like the model, and the plan is the one made with separate
     tensors."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=256,
-        use_cache=False,
-        attn_implementation="sdpa",
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
+    config = _tiny_llama_config()
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).train()
     ids = torch.randint(0, 256, (2, 32))
