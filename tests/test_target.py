@@ -134,6 +134,10 @@ def test_cross_entropy_runs_as_cuda_autocast_runs_it():
         want = F.cross_entropy(logits.bfloat16().float(), target)
     torch.testing.assert_close(loss, want, rtol=2e-2, atol=2e-2)
     assert smoothed.dtype == torch.float32  # other forms: as a float32 operator
+    # an export graph of that loss writes log_softmax's dtype positionally: kept as given
+    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastOnCpu(torch.bfloat16):
+        scores = torch.ops.aten.log_softmax.int(logits.bfloat16(), 1, torch.bfloat16)
+    assert scores.dtype == torch.bfloat16
 
 
 def test_a_target_gives_the_default_budget_roofline_times_and_is_said_in_the_plan():

@@ -97,7 +97,11 @@ class CudaAutocastOnCpu(TorchFunctionMode):
             found = _cross_entropy_as_cuda(args, kwargs)
             if found is not None:
                 return found
-        if name in CUDA_FP32_OUTPUT and kwargs.get("dtype") is None:
+        # a dtype given (by keyword, or positionally as an export graph writes it) is kept
+        dtype_given = kwargs.get("dtype") is not None or any(
+            isinstance(a, torch.dtype) for a in args
+        )
+        if name in CUDA_FP32_OUTPUT and not dtype_given:
             if any(_floating(v, _LOWER) for v in flat):
                 with torch.autocast("cpu", enabled=False):
                     try:
