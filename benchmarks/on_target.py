@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 import autockpt
 from autockpt.api import Planner
@@ -88,12 +89,7 @@ def _on_device(shape: dict[str, int], family: str, device: torch.device, plan: A
     """One AdamW iteration of the model (planned when ``plan`` is given) on ``device``."""
     with torch.device(device):
         model = llama(shape, family=family)
-    inputs = batch(shape, 0, family=family)
-    inputs = (
-        {k: v.to(device) for k, v in inputs.items()}
-        if isinstance(inputs, dict)
-        else tuple(v.to(device) for v in inputs)
-    )
+    inputs = tree_map_only(torch.Tensor, lambda t: t.to(device), batch(shape, 0, family=family))
     if plan is not None:
         model = autockpt.apply(model, plan, inputs)
     optimizer = torch.optim.AdamW(model.parameters())
