@@ -31,6 +31,9 @@ class Capture:
     dynamic_dims: tuple[str, ...] = ()
     """Input dimensions an export graph takes at any size (``"input_ids[1]"``); the others
     are specialised to the example's. Empty for fx graphs, which are shape-generic."""
+    counted_out_positions: bool = False
+    """Whether every packed-sequence test of transformers' masks, while exporting, read
+    positions the model counted out itself (NOTE [capture: Hugging Face's causal mask])."""
 
     @property
     def graph(self) -> fx.Graph:

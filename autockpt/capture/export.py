@@ -28,6 +28,7 @@ from autockpt.base.inputs import Inputs
 from autockpt.base.rng import RngStates, rng_as_found
 from autockpt.base.runtime import caches_as_found
 from autockpt.capture.captured import Capture
+from autockpt.capture.causal_masks import eager_causal_masks
 from autockpt.capture.on_device import on_meta_again, traced_as_device
 from autockpt.capture.outline import outline_calls
 from autockpt.capture.watch import (
@@ -64,11 +65,14 @@ def _capture_export(
     those that do, and a note says why each other one does not."""
     dropped: list[str] = []
     inputs = _each_input_its_own(inputs)
-    exported, watch, seen = _export_watched(model, inputs, dropped, fx_failure, module_calls)
-    dynamic = _dynamic_shapes(model, inputs)
-    exported, dynamic_failure = _export_dynamic(
-        model, inputs, exported, dynamic, dropped, module_calls
-    )
+    counted: list[bool] = []
+    # attention masks as the eager call makes them (NOTE [capture: Hugging Face's causal mask])
+    with eager_causal_masks(counted):
+        exported, watch, seen = _export_watched(model, inputs, dropped, fx_failure, module_calls)
+        dynamic = _dynamic_shapes(model, inputs)
+        exported, dynamic_failure = _export_dynamic(
+            model, inputs, exported, dynamic, dropped, module_calls
+        )
     gm = on_meta_again(exported.module())
     assigned = _keep_assignments(gm, watch, fx_failure)
     if seen.saw_checkpoint:
@@ -99,7 +103,8 @@ def _capture_export(
         extras[INPUT_CHECK] = _input_check(guards, extras["_in_spec"], inputs.signature(), layouts)
     notes.append(_how_captured(fx_failure))
     notes.extend(_assignment_and_size_notes(assigned, dynamic, dynamic_failure, dims))
-    return Capture(gm, "export", kept, notes, extras, dims)
+    counted_out = bool(counted) and all(counted)
+    return Capture(gm, "export", kept, notes, extras, dims, counted_out_positions=counted_out)
 
 
 def _each_input_its_own(inputs: Inputs) -> Inputs:

@@ -36,6 +36,7 @@ from autockpt.base.runtime import (
     preserved_training_state,
 )
 from autockpt.capture.captured import Capture
+from autockpt.capture.causal_masks import eager_causal_masks
 from autockpt.costs.interpret import CaptureInterpreter, placeholder_values
 
 __all__ = ["as_written_shift"]
@@ -53,19 +54,22 @@ def as_written_shift(
     buffers and the random generators are as they were afterwards."""
     loss_fn = loss_fn or default_loss
     try:
-        as_written = _fake_peak(model, inputs, loss_fn, None)
+        as_written = _fake_peak(model, inputs, loss_fn, capture, graph=False)
     except Exception as error:  # noqa: BLE001 - any failure only means "unknown"
         logger.info(
             "the model as written does not run on fake tensors (%r): its peak is unknown", error
         )
         return None
-    return as_written - _fake_peak(model, inputs, loss_fn, capture)
+    return as_written - _fake_peak(model, inputs, loss_fn, capture, graph=True)
 
 
-def _fake_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, capture: Capture | None) -> int:
+def _fake_peak(
+    model: nn.Module, inputs: Inputs, loss_fn: LossFn, capture: Capture, *, graph: bool
+) -> int:
     """The highest the step's own allocations reach above parameters, buffers and inputs:
-    the model's forward called as the user calls it (``capture`` None), or the captured
-    graph run as the recorder runs it (values die after their last use)."""
+    the model's forward called as the user calls it, with attention masks made as the
+    capture made them (NOTE [capture: Hugging Face's causal mask]), or (``graph``) the
+    captured graph run as the recorder runs it (values die after their last use)."""
     with (
         fresh_autocast_cache(),
         preserved_training_state(model),
@@ -76,7 +80,7 @@ def _fake_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, capture: Captu
         storages = [t.untyped_storage() for t in statics]  # kept alive: ids stay unique
         tracker = StorageTracker({id(s) for s in storages})
         with tracker:
-            output = _forward(model, fake_inputs, capture)
+            output = _forward(model, fake_inputs, capture, graph)
             loss, _ = loss_on_fake(loss_fn, output)
             del output
             loss.backward()
@@ -85,9 +89,10 @@ def _fake_peak(model: nn.Module, inputs: Inputs, loss_fn: LossFn, capture: Captu
     return peak_above_start(tracker.deltas_by_window().get(0, []))
 
 
-def _forward(model: nn.Module, inputs: Inputs, capture: Capture | None) -> Any:
-    if capture is None:
-        return model(*inputs.args, **inputs.kwargs)
+def _forward(model: nn.Module, inputs: Inputs, capture: Capture, graph: bool) -> Any:
+    if not graph:
+        with eager_causal_masks(counted_out=capture.counted_out_positions):
+            return model(*inputs.args, **inputs.kwargs)
     runner = CaptureInterpreter(model, capture, garbage_collect_values=True)
     flat = runner.run(*placeholder_values(capture, model, inputs), enable_io_processing=False)
     runner.env.clear()  # the interpreter would hold the graph's outputs through backward
