@@ -19,7 +19,7 @@ A plan is returned only when both its prediction and its measured step fit the b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +82,7 @@ def optimize(
     world_size: int = 1,
     sharding: str | None = None,
     fsdp_units: Iterable[str] | None = None,
+    reshard_after_forward: bool | Mapping[str, bool] | None = None,
     plan_rank: int | None = 0,
     selective: bool = True,
     optimizer: torch.optim.Optimizer | None = None,
@@ -121,7 +122,11 @@ def optimize(
     is per rank; the memory model counts what that engine keeps on a rank. Wrap the result
     afterwards: ``DDP(result)``, or ``fully_shard`` on each of ``result.plan.fsdp_units``
     (default: the repeated blocks, e.g. transformer layers; they stay module calls and
-    checkpoint segments hold whole units) and then on ``result``.
+    checkpoint segments hold whole units) and then on ``result``, each with
+    ``reshard_after_forward=result.plan.reshards(name)`` (``""``: the root).
+    ``reshard_after_forward``: what the run passes to ``fully_shard``: None, FSDP2's
+    defaults (units reshard, the root does not); a bool for every unit; or a mapping from
+    unit names (``""``: the root) to bools (NOTE [sharding: reshard after forward]).
 
     Under ``torch.distributed`` (initialised, several ranks) every rank may call
     ``optimize`` (the ``torchrun`` pattern): rank ``plan_rank`` alone profiles and solves,
@@ -199,6 +204,7 @@ def optimize(
             world_size=world_size,
             sharding=sharding,
             fsdp_units=fsdp_units,
+            reshard_after_forward=reshard_after_forward,
             optimizer=optimizer,
             accumulation_steps=accumulation_steps,
             progress=progress,
@@ -291,7 +297,8 @@ class _OfTheGraph(_Routed):
 
 _AGAIN = (
     *("scope", "loss_fn", "leaf_modules", "max_stages", "world_size", "sharding"),
-    *("fsdp_units", "optimizer", "accumulation_steps", "cache", "target"),
+    *("fsdp_units", "reshard_after_forward", "optimizer", "accumulation_steps", "cache"),
+    "target",
 )
 """The planner's arguments a plan for another precision repeats (not the precision)."""
 
@@ -367,6 +374,7 @@ class Planner:
         world_size: int = 1,
         sharding: str | None = None,
         fsdp_units: Iterable[str] | None = None,
+        reshard_after_forward: bool | Mapping[str, bool] | None = None,
         progress: ProgressFn | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         accumulation_steps: int = 1,
@@ -386,7 +394,9 @@ class Planner:
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.optimizer = check_iteration(model, scope, optimizer, accumulation_steps)
-        self.sharding = resolve_sharding(model, world_size, sharding, fsdp_units)
+        self.sharding = resolve_sharding(
+            model, world_size, sharding, fsdp_units, reshard_after_forward
+        )
         self.model, self.accumulation_steps = model, accumulation_steps
         self.inputs = Inputs.of(example_inputs).as_called(model)
         self.scope, self.loss_fn = scope, loss_fn

@@ -85,10 +85,19 @@ def _wrapping_engine(model: nn.Module) -> str | None:
     return None
 
 
-def wrap(model: nn.Module, mode: str, units: Iterable[str] = (), **engine_kwargs: Any) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    mode: str,
+    units: Iterable[str] = (),
+    *,
+    plan: Plan | None = None,
+    **engine_kwargs: Any,
+) -> nn.Module:
     """Wrap ``model`` for training under ``mode`` in the current process group, the way a
     user would: ``DistributedDataParallel(model)``, or ``fully_shard`` on each unit and then
-    on the root. Returns the module to call."""
+    on the root. ``plan``: FSDP2 as the plan counts it, its units (``units`` unless given)
+    each with the plan's ``reshard_after_forward`` (:meth:`Plan.reshards`), the root too.
+    Returns the module to call."""
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -96,9 +105,13 @@ def wrap(model: nn.Module, mode: str, units: Iterable[str] = (), **engine_kwargs
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for name in units:
-            fully_shard(model.get_submodule(name), **engine_kwargs)
-        fully_shard(model, **engine_kwargs)
+        def shard(name: str) -> None:
+            chosen = {} if plan is None else {"reshard_after_forward": plan.reshards(name)}
+            fully_shard(model.get_submodule(name), **chosen, **engine_kwargs)
+
+        for name in units or (plan.fsdp_units if plan is not None else ()):
+            shard(name)
+        shard("")
         return model
     raise ShardingError(f"unknown sharding mode {mode!r}; use 'ddp' or 'fsdp'")
 

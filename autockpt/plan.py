@@ -236,6 +236,12 @@ class Plan:
     world_size: int = 1
     sharding: str | None = None
     fsdp_units: tuple[str, ...] = ()
+    fsdp_kept_gathered: tuple[str, ...] | None = None
+    """The FSDP2 modules (units, ``""`` for the root) whose parameters stay gathered from
+    forward to backward: ``fully_shard(module, reshard_after_forward=False)`` for these,
+    ``True`` for every other unit (:meth:`reshards`; NOTE [sharding: reshard after
+    forward]). None: FSDP2's defaults, the root alone (plans written before the field, and
+    plans not for FSDP)."""
     rank_memory: RankMemory | None = None
     timeline: MemoryTimeline | None = None
     optimizer: OptimizerRecord | None = None
@@ -276,6 +282,17 @@ class Plan:
     autockpt_version: str = field(default_factory=lambda: _library_version())
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION
+
+    def reshards(self, module: str) -> bool:
+        """What to pass as ``fully_shard(..., reshard_after_forward=)`` for ``module`` (a
+        name of :attr:`fsdp_units`, or ``""`` for the root): the choice the plan's memory
+        counts."""
+        if self.sharding != "fsdp":
+            raise ValueError(f"the plan is not for FSDP2 (sharding={self.sharding!r})")
+        if module and module not in self.fsdp_units:
+            raise ValueError(f"{module!r} is not one of the plan's fsdp_units (or '' for the root)")
+        kept = ("",) if self.fsdp_kept_gathered is None else self.fsdp_kept_gathered
+        return module not in kept
 
     # -- JSON -----------------------------------------------------------------------------
 
@@ -463,6 +480,12 @@ def _check_semantics(plan: Plan) -> None:
         raise ValueError(f"sharding must be null, 'ddp' or 'fsdp', got {plan.sharding!r}")
     if plan.fsdp_units and plan.sharding != "fsdp":
         raise ValueError("fsdp_units are listed but sharding is not 'fsdp'")
+    if plan.fsdp_kept_gathered is not None:
+        if plan.sharding != "fsdp":
+            raise ValueError("fsdp_kept_gathered is set but sharding is not 'fsdp'")
+        strangers = [m for m in plan.fsdp_kept_gathered if m and m not in plan.fsdp_units]
+        if strangers:
+            raise ValueError(f"fsdp_kept_gathered names modules that are not units: {strangers}")
     previous_end = 0
     for seg in plan.segments:
         if not previous_end <= seg.start_stage < seg.end_stage <= len(plan.stages):
@@ -532,6 +555,8 @@ def _convert(name: str, annotation: Any, value: Any) -> Any:
         return None if value is None else _build(RankMemory, value)
     if name == "optimizer":
         return None if value is None else _build(OptimizerRecord, value)
+    if name == "fsdp_kept_gathered":
+        return None if value is None else tuple(str(item) for item in _list(name, value))
     if name == "sharding":
         if value is not None and not isinstance(value, str):
             raise TypeError(f"sharding must be a string or null, got {value!r}")

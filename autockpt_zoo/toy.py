@@ -53,9 +53,11 @@ __all__ = [
     "gpt_checkpointed",
     "kwargs_model",
     "mlp_mixer",
+    "param_heavy",
     "resnet",
     "root_shape_branch",
     "seed_block_stack",
+    "square_mean",
     "two_in_two_out",
     "unet",
     "untraceable_submodule",
@@ -878,6 +880,56 @@ def kwargs_model(
     labels = torch.randint(0, num_labels, (batch, seq_len)).masked_fill(attention_mask == 0, -100)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
     return model.train(), inputs
+
+
+class DenseUnit(nn.Module):
+    """``x + down(tanh(up(x)))``: most of its bytes are parameters."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class ParamHeavy(nn.Module):
+    """Repeated dense units between an input and an output projection (the root), returning
+    the output: a model whose units' parameters are a large part of an FSDP2 rank's peak, so
+    which of them are gathered when is what the per-rank memory model is judged on
+    (``reshard_after_forward``, segments over several units). Its loss runs outside it
+    (:func:`square_mean`)."""
+
+    def __init__(self, dim: int, hidden: int, layers: int, features: int) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(features, dim), nn.Linear(dim, features)
+        self.layers = nn.ModuleList(DenseUnit(dim, hidden) for _ in range(layers))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def square_mean(output: Tensor) -> Tensor:
+    """The loss :func:`param_heavy` is trained with."""
+    return output.square().mean()
+
+
+def param_heavy(
+    *,
+    layers: int = 6,
+    dim: int = 256,
+    hidden: int = 1024,
+    features: int = 512,
+    batch: int = 256,
+    seed: int = 0,
+) -> tuple[nn.Module, tuple[Tensor]]:
+    """:class:`ParamHeavy` (six units of 2.1 MB, a root of 1 MB) and one batch of inputs."""
+    torch.manual_seed(seed)
+    model = ParamHeavy(dim, hidden, layers, features)
+    return model.train(), (torch.randn(batch, features),)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -219,12 +219,12 @@ def test_workspaces_are_carried_to_a_size_node_by_node():
     """NOTE [fit: one probe, scaled]: from one measured size a workspace grows in proportion
     (an upper bound); from two, along their line, never below the larger value above them
     and the smallest's value below them."""
-    from autockpt.fit import _per_node
+    from autockpt.fit.estimates import per_node
 
-    assert _per_node({4: [100, 0, 30]}, 8) == [200, 0, 60]
-    assert _per_node({4: [100, 0, 30]}, 2) == [100, 0, 30]  # never scaled down
+    assert per_node({4: [100, 0, 30]}, 8) == [200, 0, 60]
+    assert per_node({4: [100, 0, 30]}, 2) == [100, 0, 30]  # never scaled down
     two = {4: [100, 300, 50], 8: [200, 340, 40]}  # growing, mostly fixed, noisy
-    assert _per_node(two, 8) == [200, 340, 40]
-    assert _per_node(two, 6) == [150, 320, 45]
-    assert _per_node(two, 16) == [400, 420, 50]
-    assert _per_node(two, 2) == [100, 300, 50]
+    assert per_node(two, 8) == [200, 340, 40]
+    assert per_node(two, 6) == [150, 320, 45]
+    assert per_node(two, 16) == [400, 420, 50]
+    assert per_node(two, 2) == [100, 300, 50]

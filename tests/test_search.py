@@ -26,6 +26,7 @@ import solvers
 from solvers import InfeasibleError
 from solvers.chain import ChainProblem
 from solvers.chain import simulate as proxy_simulate
+from solvers.rank import UnitGathers
 from solvers.replay import (
     BACKWARD,
     FORWARD,
@@ -829,6 +830,11 @@ def rank_shifts(
     if not (extras and draw(st.booleans())):
         return RankShift(rank, single)
     windows = tuple(draw(st.integers(0, t)) for t in rank.transient_bytes)
+    units = None
+    if draw(st.booleans()):  # FSDP2's units gathered by plan (NOTE [search: gathered units])
+        units = UnitGathers(
+            tuple(terms(scale)), tuple(terms(scale)), draw(st.integers(0, scale)), scale
+        )
     return RankShift(
         rank,
         single,
@@ -836,6 +842,9 @@ def rank_shifts(
         held=tuple(draw(st.integers(0, w)) for w in windows),
         end_bytes=draw(st.integers(-scale, scale)),
         optimizer_bytes=draw(st.integers(-scale, scale)),
+        units=units,
+        loss_bytes=draw(st.integers(-scale, scale)),
+        backward_start_bytes=draw(st.integers(0, scale)),
     )
 
 

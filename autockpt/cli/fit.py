@@ -22,6 +22,7 @@ from autockpt.cli.options import (
     _positive_int,
     _target_options,
     planned_model,
+    reshard_after_forward,
 )
 from autockpt.cli.output import _default_loss_note, _write
 from autockpt.cli.progress import Progress
@@ -55,6 +56,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=("ddp", "fsdp"),
         default=None,
         help="distributed engine whose per-rank memory the sizes are judged by",
+    )
+    fit.add_argument(
+        "--reshard-after-forward",
+        choices=("true", "false"),
+        default=None,
+        help="FSDP2's reshard_after_forward for every unit (with --sharding fsdp; the root "
+        "keeps FSDP2's default, False); default: FSDP2's defaults",
     )
     fit.add_argument("--objective", choices=("largest", "throughput"), default="largest")
     fit.add_argument("--multiple-of", type=_positive_int, default=1)
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             precision=args.precision,
             world_size=args.world_size,
             sharding=args.sharding,
+            reshard_after_forward=reshard_after_forward(args),
             optimizer=_build_optimizer(args.optimizer, model),
             accumulation_steps=args.accumulation_steps,
             loss_fn=None if per_size else loss_fn,

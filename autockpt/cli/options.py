@@ -145,3 +145,9 @@ def _build_optimizer(name: str | None, model: Any) -> Any:
             "autockpt.measure(model, inputs, optimizer=your_optimizer)"
         )
     return getattr(torch.optim, cls)(model.parameters(), **kwargs)
+
+
+def reshard_after_forward(args: argparse.Namespace) -> bool | None:
+    """``--reshard-after-forward``: every FSDP2 unit's choice (None: FSDP2's defaults)."""
+    choice = getattr(args, "reshard_after_forward", None)
+    return None if choice is None else choice == "true"

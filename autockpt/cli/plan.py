@@ -19,6 +19,7 @@ from autockpt.cli.options import (
     _positive_float,
     _target_options,
     planned_model,
+    reshard_after_forward,
 )
 from autockpt.cli.output import _default_loss_note, _say, _write
 from autockpt.cli.progress import Progress
@@ -57,6 +58,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=("ddp", "fsdp"),
         default=None,
         help="distributed engine whose per-rank memory the plan counts",
+    )
+    plan.add_argument(
+        "--reshard-after-forward",
+        choices=("true", "false"),
+        default=None,
+        help="FSDP2's reshard_after_forward for every unit (with --sharding fsdp; the root "
+        "keeps FSDP2's default, False); default: FSDP2's defaults",
     )
     plan.add_argument(
         "--fsdp-units",
@@ -101,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             world_size=args.world_size,
             sharding=args.sharding,
             fsdp_units=units,
+            reshard_after_forward=reshard_after_forward(args),
             optimizer=_build_optimizer(args.optimizer, model),
             accumulation_steps=args.accumulation_steps,
             budget_gb=budget_gb,

@@ -215,7 +215,7 @@ class _Prober(CaptureInterpreter):
 
 # NOTE [profile: probe's working set]. The probe is the one place planning runs kernels for
 # real, so its peak must stay within what the plans it serves may use (the budget contract:
-# nothing runs above the budget, fit_batch included, autockpt/fit.py). Two things keep it
+# nothing runs above the budget, fit_batch included, autockpt/fit/__init__.py). Two things keep it
 # lean. A node is probed before the graph makes its own result, so the probe's output and
 # the graph's are never alive together. And the outputs the node's backward does not read
 # (a convolution's, a matmul's: autograd saved neither) are freed before the backward: their

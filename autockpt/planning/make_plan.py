@@ -106,6 +106,7 @@ def make_plan(
         world_size=sharding.world_size,
         sharding=sharding.mode,
         fsdp_units=sharding.units,
+        fsdp_kept_gathered=sharding.kept_gathered if sharding.mode == "fsdp" else None,
         rank_memory=prepared.rank_memory,
         timeline=predictor.timeline(solution.segments, solution.kept),
         optimizer=optimizer_record(prepared.trace, prepared.request.optimizer),

@@ -63,7 +63,7 @@ Design (and why):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +74,7 @@ from autockpt.costs.blocks import find_repeated_blocks
 from autockpt.errors import ShardingError
 from autockpt.plan import RankMemory
 from solvers import ChainProblem
-from solvers.search import RankShift
+from solvers.rank import RankShift, UnitGathers
 
 SHARDINGS = (None, "ddp", "fsdp")
 
@@ -84,25 +84,58 @@ SHARDINGS = (None, "ddp", "fsdp")
 RANK_MARGIN_BYTES = 64 * 2**10
 
 
+ROOT = ""
+"""The root module's name among FSDP2's modules (``model.named_modules()``'s)."""
+
+
 @dataclass(frozen=True)
 class Sharding:
     """How the planned model will be trained: ``world_size`` ranks, each running one
     ``example_inputs`` batch, under ``mode`` (None: one process; "ddp"; "fsdp") with FSDP
-    ``units`` (qualified module names, in call order)."""
+    ``units`` (qualified module names, in call order). ``kept_gathered``: the FSDP2 modules
+    (units, :data:`ROOT` for the root) that keep their parameters gathered from forward to
+    backward (``reshard_after_forward=False``); FSDP2's default keeps the root alone (NOTE
+    [sharding: reshard after forward])."""
 
     world_size: int = 1
     mode: str | None = None
     units: tuple[str, ...] = ()
+    kept_gathered: tuple[str, ...] = (ROOT,)
 
     @property
     def active(self) -> bool:
         return self.mode is not None
 
+    def reshards(self, module: str) -> bool:
+        """Whether FSDP2 module ``module`` (:data:`ROOT`: the root) reshards after forward."""
+        return module not in self.kept_gathered
+
+
+# NOTE [sharding: reshard after forward]. ``fully_shard(module, reshard_after_forward=...)``
+# chooses, per FSDP2 module, whether its parameters are freed when its forward ends and
+# gathered again for its backward (True), or kept gathered until its backward ends (False:
+# no all-gather in backward, the memory of the whole unit from its forward on). Its default
+# (None) is True for every unit and False for the root, whose parameters the backward needs
+# first. ``optimize(..., reshard_after_forward=)`` takes what the run passes: None, FSDP2's
+# defaults; a bool, every unit's value (the root keeping FSDP2's default, as ``fully_shard(
+# model)`` without the argument does: torchtitan's "never" policy); a mapping from unit
+# names, and ``""`` for the root, to bools (the others keep FSDP2's defaults). An int
+# (resharding to a smaller mesh after forward) is refused: its memory is not modelled. The
+# plan records the choice (``Plan.fsdp_kept_gathered``, ``Plan.reshards(name)``), so what
+# the user passes to ``fully_shard`` is read from the plan. What each choice holds, moment
+# by moment: NOTE [search: gathered units] (solvers/rank.py) and
+# :func:`_fsdp_gathering` for the forward.
+
 
 def resolve_sharding(
-    model: nn.Module, world_size: int, sharding: str | None, fsdp_units: Iterable[str] | None
+    model: nn.Module,
+    world_size: int,
+    sharding: str | None,
+    fsdp_units: Iterable[str] | None,
+    reshard_after_forward: bool | Mapping[str, bool] | None = None,
 ) -> Sharding:
-    """Validate the distributed arguments of ``optimize`` and pick the FSDP units."""
+    """Validate the distributed arguments of ``optimize``, pick the FSDP units and which of
+    them reshard after forward (NOTE [sharding: reshard after forward])."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ShardingError(
             f"world_size must be an integer >= 1 (the number of ranks), got {world_size!r}"
@@ -118,13 +151,50 @@ def resolve_sharding(
             f"world_size={world_size} needs sharding='ddp' or 'fsdp' (how the ranks share the "
             "model decides what each keeps)"
         )
+    if reshard_after_forward is not None and sharding != "fsdp":
+        raise ShardingError(
+            "reshard_after_forward is FSDP2's choice: it only applies with sharding='fsdp' "
+            f"(got sharding={sharding!r})"
+        )
     if sharding != "fsdp":
         return Sharding(world_size, sharding, ())
     if isinstance(fsdp_units, str):
         raise ShardingError("fsdp_units must be a list of module names, not one string")
     units = tuple(fsdp_units) if fsdp_units is not None else detect_units(model)
     _check_units(model, units)
-    return Sharding(world_size, sharding, units)
+    return Sharding(world_size, sharding, units, _kept_gathered(units, reshard_after_forward))
+
+
+def _kept_gathered(
+    units: tuple[str, ...], choice: bool | Mapping[str, bool] | None
+) -> tuple[str, ...]:
+    """The modules that keep their parameters gathered after forward, root first, then units
+    in order (NOTE [sharding: reshard after forward])."""
+    if choice is None:
+        return (ROOT,)
+    if isinstance(choice, bool):
+        return (ROOT, *(() if choice else units))
+    if not isinstance(choice, Mapping):
+        kind = "an int (resharding to a smaller mesh)" if isinstance(choice, int) else "a"
+        raise ShardingError(
+            f"reshard_after_forward must be None, a bool or a mapping from FSDP unit names "
+            f"(and '' for the root) to bools; {kind} {type(choice).__name__} is not modelled: "
+            f"got {choice!r}"
+        )
+    unknown = sorted(name for name in choice if name != ROOT and name not in units)
+    if unknown:
+        raise ShardingError(
+            f"reshard_after_forward names modules that are not FSDP units: {unknown}; the "
+            f"units are {list(units)} and '' is the root"
+        )
+    bad = {name: value for name, value in choice.items() if not isinstance(value, bool)}
+    if bad:
+        raise ShardingError(
+            f"reshard_after_forward's values must be bools (an int, resharding to a smaller "
+            f"mesh, is not modelled): got {bad}"
+        )
+    kept = [ROOT] if not choice.get(ROOT, False) else []
+    return (*kept, *(unit for unit in units if not choice.get(unit, True)))
 
 
 def detect_units(model: nn.Module) -> tuple[str, ...]:
@@ -506,16 +576,18 @@ def _fsdp_rank_problem(
     rest -= optimizer_state + accumulated_gradients - sharded_resident
     unit_of_node = _unit_calls(capture, split)
     grads, transient, windows, held = _fsdp_stage_terms(
-        problem, stages, unit_of_node, split, n, input_copies
+        problem, stages, unit_of_node, split, n, input_copies, gather_copies
     )
     root_window = _unit_window(
         split.root_grads, split.root_kept_grads, split.root_last, n, input_copies
     )
+    units = _unit_gathers(stages, unit_of_node, split, sharding)
+    kept_all = sum(units.kept)
     memory = RankMemory(
         parameters=local_params,
         gradients=local_params,
         buckets=0,
-        gathered_parameters=gathered,
+        gathered_parameters=split.root_bytes + max(2 * largest, kept_all + largest),
         reduce_scatter=max([*windows, root_window]),
         static=local_params + buffers + inputs + _shard(kept_state, n),
         optimizer_state=_shard(kept_state, n),
@@ -529,31 +601,71 @@ def _fsdp_rank_problem(
     # When backward ends FSDP2 has resharded every unit and the root (reshard after
     # backward), then reduce-scatters the root's gradients; the optimizer steps shards.
     root_shard = _shard(split.root_kept_grads, n)
+    # A root resharded after forward is sharded while the loss runs and gathered again when
+    # the backward starts: its all-gather's output beside its parameters (NOTE [sharding:
+    # reshard after forward])
+    root_kept = not sharding.reshards(ROOT)
+    regather = max(
+        split.root_bytes, _gather(split, split.root_bytes, n, gather_copies) - split.root_bytes
+    )
     shift = RankShift(
         rank,
         problem,
         windows=tuple(windows),
         held=tuple(held),
-        gathering=_fsdp_gathering(stages, unit_of_node, split, n, gather_copies),
+        gathering=_fsdp_gathering(stages, unit_of_node, split, n, gather_copies, sharding),
         end_bytes=root_window - split.root_grads - gathered,
         optimizer_bytes=root_shard - split.root_grads - gathered,
+        units=units,
+        loss_bytes=max(0, kept_all - units.counted) - (0 if root_kept else split.root_bytes),
+        backward_start_bytes=0 if root_kept else regather,
     )
     return shift, memory
 
 
+def _unit_gathers(
+    stages: tuple[tuple[int, int], ...],
+    unit_of_node: dict[int, str],
+    split: _ParamSplit,
+    sharding: Sharding,
+) -> UnitGathers:
+    """Per stage, the bytes of the units it calls that reshard after forward and of those
+    kept gathered (NOTE [search: gathered units]), against the two largest the static part
+    counts."""
+    resharded, kept = [0] * len(stages), [0] * len(stages)
+    for k, (first, stop) in enumerate(stages):
+        for i in range(first, stop):
+            unit = unit_of_node.get(i)
+            if unit is not None:
+                into = resharded if sharding.reshards(unit) else kept
+                into[k] += split.unit_bytes[unit]
+    largest = max(split.unit_bytes.values(), default=0)
+    resharding = [b for u, b in split.unit_bytes.items() if sharding.reshards(u)]
+    return UnitGathers(tuple(resharded), tuple(kept), max(resharding, default=0), 2 * largest)
+
+
 def _unit_window(
-    computed: int, kept: int, last: int, n: int, input_copies: int = 0, retained: int = 0
+    computed: int,
+    kept: int,
+    last: int,
+    n: int,
+    input_copies: int = 0,
+    retained: int = 0,
+    gathered: int = 0,
+    gather_copies: int = 0,
 ) -> int:
     """A group's backward window (NOTE [sharding: what a reduce-scatter holds]), counted
     with its unsharded gradients (``computed`` bytes, ``last`` of them held to the end):
-    while they are made, the previous group's retained input (``retained``) beside them;
-    the flat input allocated beside them all; the collective (:func:`_reduce_scatter`)
-    beside the last one. The gathered parameters, resharded before the reduce-scatter,
-    stay counted (the safe side)."""
+    while they are made, the previous group's retained input (``retained``) beside them,
+    or, when the backward starts, the backend's copies of the next group's prefetched
+    all-gather; the flat input allocated beside them all; the collective
+    (:func:`_reduce_scatter`) beside the last one. FSDP2 reshards the group's ``gathered``
+    parameters before it allocates the flat input, so those two moments hold them no more
+    (the static part counts two gathered units throughout)."""
     return max(
-        retained + computed,
-        computed + kept,
-        last + _reduce_scatter(kept, n, input_copies),
+        retained + max(computed, gathered * gather_copies),
+        computed + kept - gathered,
+        last + _reduce_scatter(kept, n, input_copies) - gathered,
     )
 
 
@@ -564,35 +676,48 @@ def _reduce_scatter(kept: int, n: int, input_copies: int = 0) -> int:
     return kept * (1 + input_copies) + _shard(kept, n)
 
 
+def _gather(split: _ParamSplit, size: int, n: int, gather_copies: int) -> int:
+    """One all-gather of ``size`` bytes while it runs: its output, and the backend's copies
+    of it or, under mixed precision, the shards' cast (NOTE [sharding: what a forward
+    all-gather holds])."""
+    mixed = split.unit_bytes != split.unit_kept or split.root_bytes != split.root_kept
+    return size + max(size * gather_copies, _shard(size, n) if mixed else 0)
+
+
 def _fsdp_gathering(
     stages: tuple[tuple[int, int], ...],
     unit_of_node: dict[int, str],
     split: _ParamSplit,
     n: int,
     gather_copies: int = 0,
+    sharding: Sharding | None = None,
 ) -> tuple[int, ...]:
     """Per compute node, what its forward holds beyond the root and two units the static
     part counts, at FSDP2's all-gathers (NOTE [sharding: what a forward all-gather holds]):
     the root's retained output until the first unit's gather; each unit's gather counted on
     the node before it (the moment it starts, after that node), or on the unit's own node
-    when it is the first."""
+    when it is the first; and the units kept gathered after their forward (NOTE [sharding:
+    reshard after forward]) beside everything that follows."""
     root, nodes = split.root_bytes, stages[-1][1] if stages else 0
     counted = root + 2 * max(split.unit_bytes.values(), default=0)
-    mixed = split.unit_bytes != split.unit_kept or root != split.root_kept
-
-    def gather(size: int) -> int:  # the output, and its copies or the shards' cast
-        return size + max(size * gather_copies, _shard(size, n) if mixed else 0)
-
     extra = [0] * nodes
     retained = root  # the root's output, kept until the first unit's gather
-    held = max(root + retained, gather(root))  # the root, then its output, at the start
+    held = max(root + retained, _gather(split, root, n, gather_copies))  # at the start
+    resident = 0  # units kept gathered after their forward, so far
     for i in range(nodes):
         unit = unit_of_node.get(i)
         if unit is not None:
+            size = split.unit_bytes[unit]
             at = max(i - 1, 0)
-            moment = root + retained + gather(split.unit_bytes[unit])
+            moment = root + resident + retained + _gather(split, size, n, gather_copies)
             extra[at] = max(extra[at], moment - counted)
-            retained, held = split.unit_bytes[unit], 0
+            retained, held = size, 0
+            # the unit runs beside its gather's retained output
+            extra[i] = max(extra[i], root + resident + 2 * size - counted)
+            if sharding is not None and not sharding.reshards(unit):
+                resident += size
+        else:
+            extra[i] = max(extra[i], root + resident + retained - counted)
         extra[i] = max(extra[i], held - counted)
     return tuple(max(0, x) for x in extra)
 
@@ -613,6 +738,7 @@ def _fsdp_stage_terms(
     split: _ParamSplit,
     n: int,
     input_copies: int = 0,
+    gather_copies: int = 0,
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Each stage's gradient and transient bytes on an FSDP2 rank (unit windows, then
     shards), the windows alone (what only the stage's backward holds) and what a stage's
@@ -630,9 +756,8 @@ def _fsdp_stage_terms(
             if unit is None:
                 continue
             made, kept = split.unit_grads[unit], split.unit_kept_grads[unit]
-            window = max(
-                window, _unit_window(made, kept, split.unit_last[unit], n, input_copies, retained)
-            )
+            moments = (made, kept, split.unit_last[unit], n, input_copies, retained)
+            window = max(window, _unit_window(*moments, split.unit_bytes[unit], gather_copies))
             retained = kept
             # Unit gradients persist as shards; root gradients stay full until the end.
             grads[k] += _shard(kept, n) - made

@@ -18,11 +18,11 @@ planning included, so a size is planned in full only when its full prediction fi
 size not planned in full is judged by its shapes plus the workspaces of the sizes that were,
 scaled with the size: what the probe adds over the shapes (on a CPU, the backward of a
 convolution allocates one feature map per image that no operator returns) grows with the
-batch like the activations. A size is judged by an upper bound (:func:`_with_workspaces`):
+batch like the activations. A size is judged by an upper bound (:func:`autockpt.fit.estimates.with_workspaces`):
 a plan replayed on its shapes-alone step as a curve (the shapes' leanest, and the leanest
 of the nearest size planned in full, which steers around workspaces; the lower of the
 two), each moment raised by the workspace of the kernel that runs there, as measured where
-sizes were planned in full and carried to this size node by node (:func:`_per_node`: in
+sizes were planned in full and carried to this size node by node (:func:`~autockpt.fit.estimates.per_node`: in
 proportion to the size from one measured size, an upper bound; along the line through two
 once there are two, since a workspace has a part that grows and a part that does not).
 What a size planned in full added to its leanest peak is not enough alone (20 bytes at
@@ -89,7 +89,7 @@ import logging
 import math
 import numbers
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,11 +102,10 @@ from autockpt.base.precision import Precision
 from autockpt.base.runtime import LossFn
 from autockpt.base.target import Target
 from autockpt.costs.problem import DEFAULT_MAX_STAGES
-from autockpt.costs.record import ACCUMULATED_GRADIENTS
 from autockpt.errors import AutockptError, BatchSizeError, InfeasibleBudgetError, TraceError
+from autockpt.fit.estimates import growth_per_size, scaled, with_workspaces
 from autockpt.plan import Plan
 from autockpt.planning.request import ProgressFn, budget_or_default
-from solvers import replay
 
 __all__ = ["OBJECTIVES", "BatchCandidate", "BatchFit", "fit_batch"]
 
@@ -201,6 +200,7 @@ def fit_batch(
     world_size: int = 1,
     sharding: str | None = None,
     fsdp_units: Iterable[str] | None = None,
+    reshard_after_forward: bool | Mapping[str, bool] | None = None,
     progress: ProgressFn | None = None,
     target: Target | str | None = None,
     precision: Precision | str | None = None,
@@ -226,7 +226,8 @@ def fit_batch(
     scaled]).
 
     With ``optimizer`` the budget covers the whole training iteration (its state and step);
-    under ``sharding`` the size is one rank's batch and the budget per rank. A size the
+    under ``sharding`` the size is one rank's batch and the budget per rank (FSDP2's
+    ``reshard_after_forward`` as :func:`autockpt.optimize` takes it). A size the
     model raises for (past its position table, say) does not fit: the answer lists it in
     ``refused_sizes`` (NOTE [fit: refused sizes]). Raises :class:`InfeasibleBudgetError`
     when even ``multiple_of`` does not fit (its ``minimum_gb`` does), and
@@ -270,6 +271,7 @@ def fit_batch(
         "world_size": world_size,
         "sharding": sharding,
         "fsdp_units": fsdp_units,
+        "reshard_after_forward": reshard_after_forward,
         "target": target,
         "precision": precision,
     }
@@ -509,11 +511,11 @@ class _Sizes:
         below = full.get(size - self.multiple_of)
         if below is not None:  # one size above one planned in full: what it added, scaled
             added = max(0, below.minimum - self.shapes[below.size].minimum)
-            return shapes.minimum + _scaled({below.size: added}, size, 0)
+            return shapes.minimum + scaled({below.size: added}, size, 0)
         if not full:
             return shapes.minimum
         measured = {n: (p.ready, self.shapes[n].minimum) for n, p in full.items()}
-        return max(_with_workspaces(shapes.ready, size, measured), shapes.minimum)
+        return max(with_workspaces(shapes.ready, size, measured), shapes.minimum)
 
     def candidates(self) -> tuple[BatchCandidate, ...]:
         """Every size planned, by size: those planned in full as they were, the others by
@@ -720,9 +722,9 @@ class _Sizes:
         full, its own; else its shapes' plus the scaled workspaces per unit."""
         full = self.full.get(size)
         if full is not None and full.planner is not None:
-            return _growth_per_size(full.ready, size)
+            return growth_per_size(full.ready, size)
         shapes = self.shapes[size]
-        return _growth_per_size(shapes.ready, size) + (self.predicted(size) - shapes.minimum) / size
+        return growth_per_size(shapes.ready, size) + (self.predicted(size) - shapes.minimum) / size
 
     def full_below(self, size: int) -> _Planned:
         """The largest size below ``size`` planned in full that the model takes."""
@@ -743,106 +745,6 @@ class _Sizes:
             return largest
         best = max(fitting, key=lambda c: (c.samples_per_second, c.size))
         return self.full[best.size]
-
-
-def _scaled(known: dict[int, int], size: int, fixed: int) -> int:
-    """A value at ``size`` from the values ``known`` at other sizes (NOTE [fit: one probe,
-    scaled]): between two known sizes, the line between them; above the largest, ``fixed``
-    plus the rest of its value in proportion to the size; below the smallest, its value.
-    Nothing known: 0."""
-    if not known:
-        return 0
-    if size in known:
-        return known[size]
-    below = max((n for n in known if n < size), default=None)
-    above = min((n for n in known if n > size), default=None)
-    if below is None:
-        assert above is not None
-        return known[above]
-    if above is None:
-        return fixed + math.ceil((known[below] - fixed) * size / below)
-    rise = (known[above] - known[below]) * (size - below) / (above - below)
-    return known[below] + math.ceil(rise)
-
-
-def _with_workspaces(shapes: Planner, size: int, measured: dict[int, tuple[Planner, int]]) -> int:
-    """An upper bound of the leanest peak at ``size`` (``shapes``: planned there from shapes
-    alone) from the sizes planned in full, ``measured`` (size: its planner and its leanest
-    peak from shapes alone), NOTE [fit: one probe, scaled]: a plan replayed on the shapes'
-    step as a curve, each point raised by the workspace of the kernel that runs there,
-    scaled to ``size`` (:func:`_raised_peak`, :func:`_per_node`), plus every byte kernels
-    save beyond their operators' results; never below what the sizes planned in full added
-    to their leanest peaks, scaled. What they added is not enough alone: at a batch of 1 the
-    peak may fall in the optimizer's step, where no kernel runs, and add nothing, while a
-    larger size peaks in a convolution's backward. Of two plans, the lower: the shapes'
-    leanest, blind to workspaces, and the nearest size's leanest, which steers around them."""
-    added = _scaled(
-        {n: max(0, p.minimum_peak_bytes - low) for n, (p, low) in measured.items()}, size, 0
-    )
-    graphs = {n: p.profile.nodes for n, (p, _) in measured.items() if p.nested is None}
-    if (
-        shapes.nested is not None
-        or not graphs
-        or {len(v) for v in graphs.values()} != {len(shapes.profile.nodes)}
-    ):
-        largest = max(
-            (max(x.forward_workspace, x.backward_workspace) for v in graphs.values() for x in v),
-            default=0,
-        )
-        top = max(measured)
-        return shapes.minimum_peak_bytes + max(added, math.ceil(largest * max(1.0, size / top)))
-    forward = _per_node({n: [x.forward_workspace for x in v] for n, v in graphs.items()}, size)
-    backward = _per_node({n: [x.backward_workspace for x in v] for n, v in graphs.items()}, size)
-    hidden = _per_node({n: [x.hidden_saved for x in v] for n, v in graphs.items()}, size)
-    nearest = min(graphs, key=lambda n: (abs(n - size), -n))
-    raised = min(
-        _raised_peak(shapes, plan_of, forward, backward)
-        for plan_of in (shapes, measured[nearest][0])
-    )
-    return max(raised + sum(hidden), shapes.minimum_peak_bytes + added)
-
-
-def _per_node(known: dict[int, list[int]], size: int) -> list[int]:
-    """Each node's workspace at ``size`` from its workspaces at the sizes ``known``. From one
-    size alone, in proportion to the size above it (all of it taken as growing: an upper
-    bound). Else the line through two known sizes (a workspace is a part that grows with the
-    size and a part that does not): between the two that bracket ``size``; above them all,
-    through the two largest, never below the larger value; below them all, the smallest
-    size's value (an upper bound where workspaces grow with the size)."""
-    sizes = sorted(known)
-    if size in known:
-        return list(known[size])
-    if len(sizes) == 1:
-        return [math.ceil(v * max(1.0, size / sizes[0])) for v in known[sizes[0]]]
-    if size < sizes[0]:
-        return list(known[sizes[0]])
-    above = [n for n in sizes if n > size]
-    a, b = (max(n for n in sizes if n < size), above[0]) if above else sizes[-2:]
-    values = []
-    for va, vb in zip(known[a], known[b], strict=True):
-        line = math.ceil(va + (vb - va) * (size - a) / (b - a))
-        values.append(line if above else max(line, va, vb))
-    return values
-
-
-def _raised_peak(shapes: Planner, plan_of: Planner, forward: list[int], backward: list[int]) -> int:
-    """The peak of ``plan_of``'s leanest plan replayed on ``shapes``'s step, each moment
-    raised by the workspace of the kernel that runs there (a recompute: its segment's
-    largest), as the recorded step holds one over its whole window (NOTE [record:
-    workspaces])."""
-    lean = plan_of.search.leanest()
-    ranges, stash = plan_of.predictor.node_ranges(lean.segments)
-    curve = replay.timeline(shapes.trace, ranges, stash, lean.kept or None)
-    recompute = {start: max(forward[start:end], default=0) for start, end in ranges}
-    at = {replay.FORWARD: forward, replay.BACKWARD: backward}
-    raised = 0
-    for phase, node, peak in curve:
-        if phase == "recompute":
-            workspace = recompute.get(node, 0)
-        else:
-            workspace = at[phase][node] if phase in at and node < len(forward) else 0
-        raised = max(raised, peak + workspace)
-    return raised
 
 
 def _between(low: int, high: int, m: int) -> int:
@@ -869,28 +771,6 @@ def _quiet_fake_tensor_errors() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(keep)
-
-
-def _growth_per_size(planner: Planner, size: int) -> float:
-    """How much the leanest plan's peak grows per unit of size, judged from one size: its
-    forward and backward peak (the optimizer's step, which does not grow, left out) above
-    what does not grow with the size (parameters, buffers, their gradients, the optimizer's
-    state), spread over the size. It errs high (the activations of a small size are no
-    smaller than linear), so the first guess lands below the answer, where a planner is not
-    wasted: the secant through it and the first size is then close."""
-    if (
-        planner.nested is not None
-    ):  # planned as units (a root not captured whole): the line through the origin
-        return planner.minimum_peak_bytes / size
-    prof = planner.profile
-    lean = planner.search.leanest()
-    node_ranges, stash = planner.predictor.node_ranges(lean.segments)
-    curve = replay.timeline(planner.trace, node_ranges, stash, lean.kept or None)
-    working = max(b for phase, _, b in curve if phase != replay.OPTIMIZER)
-    resident = dict(planner.trace.resident)
-    gradients = resident.pop(ACCUMULATED_GRADIENTS, prof.param_grad_bytes)
-    fixed = prof.param_bytes + prof.buffer_bytes + gradients + sum(resident.values())
-    return max(working - fixed, prof.input_bytes, 1) / size
 
 
 def _positive_int(name: str, value: Any) -> int:

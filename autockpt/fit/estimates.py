@@ -1,0 +1,139 @@
+"""What a size not planned in full would need: estimates from the sizes that were.
+
+NOTE [fit: one probe, scaled] (autockpt/fit/__init__.py) says why: one size is probed, and
+every other is planned from shapes alone, its kernel workspaces carried over from the sizes
+planned in full, scaled with the size, so that an estimate is an upper bound before anything
+runs at it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autockpt.api import Planner
+from autockpt.costs.record import ACCUMULATED_GRADIENTS
+from solvers import replay
+
+__all__ = ["growth_per_size", "per_node", "scaled", "with_workspaces"]
+
+
+def scaled(known: dict[int, int], size: int, fixed: int) -> int:
+    """A value at ``size`` from the values ``known`` at other sizes (NOTE [fit: one probe,
+    scaled]): between two known sizes, the line between them; above the largest, ``fixed``
+    plus the rest of its value in proportion to the size; below the smallest, its value.
+    Nothing known: 0."""
+    if not known:
+        return 0
+    if size in known:
+        return known[size]
+    below = max((n for n in known if n < size), default=None)
+    above = min((n for n in known if n > size), default=None)
+    if below is None:
+        assert above is not None
+        return known[above]
+    if above is None:
+        return fixed + math.ceil((known[below] - fixed) * size / below)
+    rise = (known[above] - known[below]) * (size - below) / (above - below)
+    return known[below] + math.ceil(rise)
+
+
+def with_workspaces(shapes: Planner, size: int, measured: dict[int, tuple[Planner, int]]) -> int:
+    """An upper bound of the leanest peak at ``size`` (``shapes``: planned there from shapes
+    alone) from the sizes planned in full, ``measured`` (size: its planner and its leanest
+    peak from shapes alone), NOTE [fit: one probe, scaled]: a plan replayed on the shapes'
+    step as a curve, each point raised by the workspace of the kernel that runs there,
+    scaled to ``size`` (:func:`_raised_peak`, :func:`per_node`), plus every byte kernels
+    save beyond their operators' results; never below what the sizes planned in full added
+    to their leanest peaks, scaled. What they added is not enough alone: at a batch of 1 the
+    peak may fall in the optimizer's step, where no kernel runs, and add nothing, while a
+    larger size peaks in a convolution's backward. Of two plans, the lower: the shapes'
+    leanest, blind to workspaces, and the nearest size's leanest, which steers around them."""
+    added = scaled(
+        {n: max(0, p.minimum_peak_bytes - low) for n, (p, low) in measured.items()}, size, 0
+    )
+    graphs = {n: p.profile.nodes for n, (p, _) in measured.items() if p.nested is None}
+    if (
+        shapes.nested is not None
+        or not graphs
+        or {len(v) for v in graphs.values()} != {len(shapes.profile.nodes)}
+    ):
+        largest = max(
+            (max(x.forward_workspace, x.backward_workspace) for v in graphs.values() for x in v),
+            default=0,
+        )
+        top = max(measured)
+        return shapes.minimum_peak_bytes + max(added, math.ceil(largest * max(1.0, size / top)))
+    forward = per_node({n: [x.forward_workspace for x in v] for n, v in graphs.items()}, size)
+    backward = per_node({n: [x.backward_workspace for x in v] for n, v in graphs.items()}, size)
+    hidden = per_node({n: [x.hidden_saved for x in v] for n, v in graphs.items()}, size)
+    nearest = min(graphs, key=lambda n: (abs(n - size), -n))
+    raised = min(
+        _raised_peak(shapes, plan_of, forward, backward)
+        for plan_of in (shapes, measured[nearest][0])
+    )
+    return max(raised + sum(hidden), shapes.minimum_peak_bytes + added)
+
+
+def per_node(known: dict[int, list[int]], size: int) -> list[int]:
+    """Each node's workspace at ``size`` from its workspaces at the sizes ``known``. From one
+    size alone, in proportion to the size above it (all of it taken as growing: an upper
+    bound). Else the line through two known sizes (a workspace is a part that grows with the
+    size and a part that does not): between the two that bracket ``size``; above them all,
+    through the two largest, never below the larger value; below them all, the smallest
+    size's value (an upper bound where workspaces grow with the size)."""
+    sizes = sorted(known)
+    if size in known:
+        return list(known[size])
+    if len(sizes) == 1:
+        return [math.ceil(v * max(1.0, size / sizes[0])) for v in known[sizes[0]]]
+    if size < sizes[0]:
+        return list(known[sizes[0]])
+    above = [n for n in sizes if n > size]
+    a, b = (max(n for n in sizes if n < size), above[0]) if above else sizes[-2:]
+    values = []
+    for va, vb in zip(known[a], known[b], strict=True):
+        line = math.ceil(va + (vb - va) * (size - a) / (b - a))
+        values.append(line if above else max(line, va, vb))
+    return values
+
+
+def _raised_peak(shapes: Planner, plan_of: Planner, forward: list[int], backward: list[int]) -> int:
+    """The peak of ``plan_of``'s leanest plan replayed on ``shapes``'s step, each moment
+    raised by the workspace of the kernel that runs there (a recompute: its segment's
+    largest), as the recorded step holds one over its whole window (NOTE [record:
+    workspaces])."""
+    lean = plan_of.search.leanest()
+    ranges, stash = plan_of.predictor.node_ranges(lean.segments)
+    curve = replay.timeline(shapes.trace, ranges, stash, lean.kept or None)
+    recompute = {start: max(forward[start:end], default=0) for start, end in ranges}
+    at = {replay.FORWARD: forward, replay.BACKWARD: backward}
+    raised = 0
+    for phase, node, peak in curve:
+        if phase == "recompute":
+            workspace = recompute.get(node, 0)
+        else:
+            workspace = at[phase][node] if phase in at and node < len(forward) else 0
+        raised = max(raised, peak + workspace)
+    return raised
+
+
+def growth_per_size(planner: Planner, size: int) -> float:
+    """How much the leanest plan's peak grows per unit of size, judged from one size: its
+    forward and backward peak (the optimizer's step, which does not grow, left out) above
+    what does not grow with the size (parameters, buffers, their gradients, the optimizer's
+    state), spread over the size. It errs high (the activations of a small size are no
+    smaller than linear), so the first guess lands below the answer, where a planner is not
+    wasted: the secant through it and the first size is then close."""
+    if (
+        planner.nested is not None
+    ):  # planned as units (a root not captured whole): the line through the origin
+        return planner.minimum_peak_bytes / size
+    prof = planner.profile
+    lean = planner.search.leanest()
+    node_ranges, stash = planner.predictor.node_ranges(lean.segments)
+    curve = replay.timeline(planner.trace, node_ranges, stash, lean.kept or None)
+    working = max(b for phase, _, b in curve if phase != replay.OPTIMIZER)
+    resident = dict(planner.trace.resident)
+    gradients = resident.pop(ACCUMULATED_GRADIENTS, prof.param_grad_bytes)
+    fixed = prof.param_bytes + prof.buffer_bytes + gradients + sum(resident.values())
+    return max(working - fixed, prof.input_bytes, 1) / size
