@@ -283,6 +283,16 @@ class Plan:
     torch_version: str = field(default_factory=lambda: _torch_version())
     schema_version: int = SCHEMA_VERSION
 
+    def _kept_gathered_text(self) -> str:
+        """What the summary says of ``reshard_after_forward`` when it is not FSDP2's default."""
+        kept = self.fsdp_kept_gathered
+        if self.sharding != "fsdp" or kept is None or kept == ("",):
+            return ""
+        units = [m for m in kept if m]
+        which = "every unit" if units == list(self.fsdp_units) else ", ".join(units) or "no unit"
+        root = "" if "" in kept else "; the root resharded after forward"
+        return f"; kept gathered after forward: {which}{root}"
+
     def reshards(self, module: str) -> bool:
         """What to pass as ``fully_shard(..., reshard_after_forward=)`` for ``module`` (a
         name of :attr:`fsdp_units`, or ``""`` for the root): the choice the plan's memory
@@ -416,6 +426,7 @@ class Plan:
             lines.append(
                 f"per rank of {self.world_size} under {self.sharding}"
                 + (f"; {len(self.fsdp_units)} FSDP unit(s)" if self.fsdp_units else "")
+                + self._kept_gathered_text()
                 + (
                     f"; resident {format_bytes(self.rank_memory.static)}"
                     if self.rank_memory

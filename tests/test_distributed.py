@@ -331,6 +331,15 @@ def test_cli_plans_per_rank_and_rejects_bad_sharding_arguments(tmp_path, capsys)
     bad = [*args, "--fsdp-units", "layers.0,nope", "-o", str(out)]
     assert main(bad) == EXIT_USAGE
     assert "does not have: ['nope']" in capsys.readouterr().err
+    # FSDP2's reshard_after_forward for every unit: planned, and said back by the plan
+    assert main([*args, "--reshard-after-forward", "false", "-o", str(out), "--quiet"]) == EXIT_OK
+    kept = Plan.load(out)
+    assert kept.fsdp_kept_gathered == ("", *plan.fsdp_units)
+    assert not any(kept.reshards(name) for name in ("", *kept.fsdp_units))
+    assert kept.no_checkpoint_peak_bytes > plan.no_checkpoint_peak_bytes
+    ddp = ["plan", spec, "--budget-gb", "1", "--world-size", "2", "--sharding", "ddp"]
+    assert main([*ddp, "--reshard-after-forward", "true", "-o", str(out)]) == EXIT_USAGE
+    assert "only applies with sharding='fsdp'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -431,6 +431,8 @@ def test_reshard_after_forward_is_read_as_fully_shard_takes_it():
     assert [plan.reshards(m) for m in ("", *units)] == [True, True, True, True, False, True, True]
     with pytest.raises(ValueError, match="not one of the plan's fsdp_units"):
         plan.reshards("inp")
+    said = "kept gathered after forward: layers.3; the root resharded after forward"
+    assert said in plan.summary()
 
 
 def test_units_kept_gathered_count_from_their_forward_to_their_backward():
