@@ -6,10 +6,12 @@ What is kept (:class:`Reused`) is plain data, no tensor, module or optimizer: th
 :class:`~autockpt.costs.profile.Profile` (sizes, measured node times and workspaces), the
 recorded step (:class:`~solvers.replay.MemoryTrace`), the leanest plan's
 :class:`~solvers.Solution` (the stated minimum) and, once a verifying step has run it, that
-plan's measured peak (the stated minimum from then on). Capture runs on every call (it is cheap,
-and its graph's fingerprint is part of the key); the stage chain, the predictor and the
-search are rebuilt from the kept data, so a planner made from the cache is the one an
-uncached call makes, with the first call's measured times.
+plan's measured peak (the stated minimum from then on). An fx capture runs on every call (it
+is cheap, and its graph's fingerprint is part of the key); a ``torch.export`` capture, which
+takes most of planning on a large graph, is kept itself, by a key of its own (NOTE [cache:
+captured graph]); the stage chain, the predictor and the search are rebuilt from the kept
+data, so a planner made from the cache is the one an uncached call makes, with the first
+call's measured times.
 
 The key (:func:`cache_key`) holds everything these depend on: the model object (by ``id``;
 its entry holds it by weak reference, so the cache keeps no model alive, unless the
@@ -102,31 +104,11 @@ def cache_key(
     """The cache key of one preparation (the module docstring lists what it holds), or
     None when something in it cannot be described (then nothing is cached)."""
     try:
-        tensors = [
-            *(p for _, p in model.named_parameters(remove_duplicate=False)),
-            *(b for _, b in model.named_buffers(remove_duplicate=False)),
-        ]
-        leaves, spec = pytree.tree_flatten((inputs.args, inputs.kwargs))
-        tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         found = (
-            id(model),
+            *_state(model, inputs, precision),
             captured.fingerprint(),
             captured.method,
             captured.dynamic_dims,
-            tuple(
-                (name, _tensor(p), _hooks(p))
-                for name, p in model.named_parameters(remove_duplicate=False)
-            ),
-            tuple((name, _tensor(b)) for name, b in model.named_buffers(remove_duplicate=False)),
-            _sharing(tensors),
-            tuple(
-                (name, type(m), m.training, m.extra_repr(), _hooks(m))
-                for name, m in model.named_modules(remove_duplicate=False)
-            ),
-            str(spec),
-            tuple(_input(leaf) for leaf in leaves),
-            precision,
-            _switches(),
             request.scope,
             _loss(request.loss_fn),
             request.leaves,
@@ -140,6 +122,35 @@ def cache_key(
     except (_Uncacheable, TypeError, RuntimeError, NotImplementedError):
         return None
     return found
+
+
+def _state(model: nn.Module, inputs: Inputs, precision: Precision | None) -> tuple[Any, ...]:
+    """The part of a key that describes the model, the inputs and how the step runs: the
+    model object (by ``id``), its tensors (and how they share storage), its modules, the
+    inputs, the precision and the kernel switches. Raises what :func:`cache_key` catches."""
+    tensors = [
+        *(p for _, p in model.named_parameters(remove_duplicate=False)),
+        *(b for _, b in model.named_buffers(remove_duplicate=False)),
+    ]
+    leaves, spec = pytree.tree_flatten((inputs.args, inputs.kwargs))
+    tensors += [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return (
+        id(model),
+        tuple(
+            (name, _tensor(p), _hooks(p))
+            for name, p in model.named_parameters(remove_duplicate=False)
+        ),
+        tuple((name, _tensor(b)) for name, b in model.named_buffers(remove_duplicate=False)),
+        _sharing(tensors),
+        tuple(
+            (name, type(m), m.training, m.extra_repr(), _hooks(m))
+            for name, m in model.named_modules(remove_duplicate=False)
+        ),
+        str(spec),
+        tuple(_input(leaf) for leaf in leaves),
+        precision,
+        _switches(),
+    )
 
 
 def cached(model: nn.Module, found: Hashable | None) -> Reused | None:
@@ -200,19 +211,139 @@ def remember_leanest_measured(model: nn.Module, found: Hashable | None, measured
 
 
 def clear_cache(*, stored: bool = False) -> None:
-    """Forget every kept preparation (``autockpt.clear_cache()``); with ``stored``, also
+    """Forget every kept preparation and capture (``autockpt.clear_cache()``); with ``stored``, also
     delete the node times stored on this machine (NOTE [timing: stored]): the next plan of
     each model measures them again."""
     with _lock:
         _entries.clear()
+        _captures.clear()
     if stored:
         clear_store()
 
 
 def cache_size() -> int:
-    """How many preparations are kept now."""
+    """How many preparations are kept now (:func:`captures_kept`: how many captures)."""
     with _lock:
         return len(_entries)
+
+
+# -- the captured graph (NOTE [cache: captured graph]) -----------------------------------
+
+MAX_CAPTURES = 2
+"""Export captures kept at most. Each holds its graph's nodes and their fake values (no
+storage) and refers to the model's own parameters, which the model holds anyway."""
+
+_captures: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Capture]] = OrderedDict()
+
+
+def capture_key(model: nn.Module, inputs: Inputs, request: Request) -> Hashable | None:
+    """NOTE [cache: captured graph]. The key of one capture, or None (not kept).
+
+    Why a capture is kept at all: on a large graph ``torch.export`` takes most of planning
+    (lucidrains' KarrasUnet: 37-65 s of a 108 s first plan), and a second ``optimize`` of
+    the same model, or a budget refused after capture, would take it again. Only export
+    captures are kept (fx tracing is quick), for the model object they were made of, by
+    weak reference.
+
+    Why the key says more than the preparation's: the preparation's key holds the graph's
+    fingerprint, so a forward that now takes another path misses it; a kept graph has no
+    fingerprint to compare with, it *is* the graph. So the key adds what a forward's
+    Python reads besides tensors and their modules' ``repr``: each module's plain
+    attributes (numbers, strings, flags, tuples of them), its configuration object
+    (transformers' ``config``, by its ``to_dict()``), the class's ``forward`` and a
+    ``forward`` set on the instance (a wrapper's), and the grad mode. What it still cannot
+    see (a global the forward reads, an object attribute of another kind) is why
+    ``cache=False`` and ``autockpt.clear_cache()`` exist: after such a change, a kept
+    graph would run the old code."""
+    if not request.cache:
+        return None
+    try:
+        found = (
+            *_state(model, inputs, request.precision),
+            _code_state(model),
+            torch.is_grad_enabled(),
+            request.leaves,
+            request.sharding.units,
+            request.target,  # a meta model is traced as the target's device
+        )
+        hash(found)
+    except (_Uncacheable, TypeError, RuntimeError, NotImplementedError):
+        return None
+    return found
+
+
+def captured_before(model: nn.Module, found: Hashable | None) -> Capture | None:
+    """The export capture kept for ``found`` when it was made of this very model object."""
+    if found is None:
+        return None
+    with _lock:
+        entry = _captures.get(found)
+        if entry is None or entry[0]() is not model:
+            return None
+        _captures.move_to_end(found)
+        return entry[1]
+
+
+def keep_capture(model: nn.Module, found: Hashable | None, captured: Capture) -> None:
+    """Keep an export capture for ``found`` (at most :data:`MAX_CAPTURES`, least recently
+    used first out; the entry goes when ``model`` is garbage-collected)."""
+    if found is None or captured.method != "export":
+        return
+
+    def forget(ref: weakref.ref[nn.Module]) -> None:
+        with _lock:
+            if found in _captures and _captures[found][0] is ref:
+                del _captures[found]
+
+    with _lock:
+        _captures[found] = (weakref.ref(model, forget), captured)
+        _captures.move_to_end(found)
+        while len(_captures) > MAX_CAPTURES:
+            _captures.popitem(last=False)
+
+
+def captures_kept() -> int:
+    """How many captures are kept now."""
+    with _lock:
+        return len(_captures)
+
+
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
+def _code_state(model: nn.Module) -> tuple[Any, ...]:
+    """What a module's Python may branch on besides its tensors (NOTE [cache: captured
+    graph]): plain attributes, a configuration's ``to_dict()``, the forward functions.
+    Objects are described by value or ``id``, never held: a key that held a bound
+    ``forward`` would hold its module, and the entry would keep the model alive."""
+    configs: dict[int, str] = {}
+    described = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        plain = []
+        for attribute, value in vars(module).items():
+            if isinstance(value, _PLAIN) or (
+                isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)
+            ):
+                plain.append((attribute, value))
+            elif not isinstance(value, (nn.Module, torch.Tensor, dict)) and callable(
+                getattr(value, "to_dict", None)
+            ):
+                if id(value) not in configs:
+                    try:
+                        configs[id(value)] = repr(value.to_dict())
+                    except Exception as error:  # noqa: BLE001 - not describable: not kept
+                        raise _Uncacheable(f"{attribute}.to_dict() failed") from error
+                plain.append((attribute, configs[id(value)]))
+        own_forward = vars(module).get("forward")
+        described.append(
+            (
+                name,
+                getattr(type(module), "forward", None),
+                None if own_forward is None else id(own_forward),
+                tuple(sorted(plain, key=lambda item: item[0])),
+            )
+        )
+    return tuple(described)
 
 
 def _tensor(t: torch.Tensor) -> tuple[Any, ...]:

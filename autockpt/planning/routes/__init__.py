@@ -28,6 +28,7 @@ from torch import nn
 from autockpt.base.inputs import Inputs
 from autockpt.capture.front import capture
 from autockpt.errors import TraceError
+from autockpt.planning.cache import capture_key, captured_before, keep_capture
 from autockpt.planning.prepared import PlanningPeak
 from autockpt.planning.request import Phases, ProgressFn, Request
 from autockpt.planning.routes.base import Route
@@ -55,21 +56,28 @@ def choose_route(
     captured graph's route (compiled over it when the model came compiled). A capture that
     fails in the root's own code (an input check, a LayerDrop loop; not when sharded or on
     the meta device, where units cannot be found by running the forward): the units route.
-    Called inside the caller's ``as_found`` and ``training_mode`` blocks."""
+    An export capture made before of the same model and inputs is reused (NOTE [cache:
+    captured graph]). Called inside the caller's ``as_found`` and ``training_mode`` blocks."""
     if budget_bytes is not None:  # below the parameters alone: refused before capture
         refuse_below_floor(model, inputs, None, request, budget_bytes)
-    phases.start("capture", "capturing the graph")
-    try:
-        captured = capture(
-            model, inputs, leaf_modules=request.leaves, module_calls=request.sharding.units
-        )
-    except TraceError as error:
-        # Before any profiling of the root: data-dependent code in the root itself
-        # (an input check) runs eagerly around a submodule that is planned instead.
-        device = request.device
-        if not error.in_root_code or request.sharding.active or device.type == "meta":
-            raise
-        return plan_units(model, inputs, request, error, phases, progress, plan_unit, hand_back)
+    key = capture_key(model, inputs, request)
+    captured = captured_before(model, key)  # NOTE [cache: captured graph]
+    if captured is not None:
+        phases.start("capture", "reusing the captured graph (autockpt.clear_cache())")
+    else:
+        phases.start("capture", "capturing the graph")
+        try:
+            captured = capture(
+                model, inputs, leaf_modules=request.leaves, module_calls=request.sharding.units
+            )
+        except TraceError as error:
+            # Before any profiling of the root: data-dependent code in the root itself
+            # (an input check) runs eagerly around a submodule that is planned instead.
+            device = request.device
+            if not error.in_root_code or request.sharding.active or device.type == "meta":
+                raise
+            return plan_units(model, inputs, request, error, phases, progress, plan_unit, hand_back)
+        keep_capture(model, key, captured)  # kept before a refusal: the next budget reuses it
     graph = CapturedRoute(
         model, inputs, request, captured, phases, planning_peak, hand_back, budget_bytes
     )
