@@ -353,3 +353,67 @@ def test_a_leaf_says_its_blocks_cannot_be_checkpointed_one_by_one():
         "minimum may lie above checkpointing each of them by hand"
     ]
     torch.testing.assert_close(captured.graph_module(*inputs.args), model(*inputs.args))
+
+
+# ---------------------------------------------------------------------------------------------
+# leaves that hide blocks (NOTE [routes: leaves that hide blocks])
+
+
+class ShapeBranchingEncoder(AudioEncoder):
+    """A branch on a shape outside an assertion (openai/whisper's attention: ``is_causal=...
+    and n_ctx > 1``): fx cannot take it, torch.export takes the example's path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).permute(0, 2, 1)
+        if x.shape[1] > 1:
+            x = x + self.positional_embedding
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_post(x)
+
+
+def test_a_leaf_that_hides_blocks_is_captured_by_export_and_planned_per_block():
+    """fx alone makes the encoder one leaf (its minimum checkpoints nothing inside it,
+    above each block by hand); the route captures it again with torch.export, so the
+    minimum is at most the hand plan, whose budget is met and trained exactly as eager."""
+    torch.manual_seed(0)
+    model = Speech().train()
+    model.encoder = ShapeBranchingEncoder(16, 256, 64, 4)
+    inputs = (torch.randn(8, 16, 256), torch.randint(0, 20_000, (8, 4)))
+    assert capture(model, Inputs.of(inputs)).leaf_modules == ("encoder",)
+    hand = autockpt.measure(
+        _each_block_by_hand(copy.deepcopy(model)), inputs, loss_fn=_loss, repeat=1
+    ).peak_bytes
+    planner = quiet_planner(model, inputs, loss_fn=_loss)
+    assert planner.capture.method == "export"
+    assert "hiding the repeated blocks" in planner.capture.warnings[0]
+    assert planner.minimum_peak_bytes <= hand < planner.no_checkpoint_peak_bytes
+    expected = train_step(copy.deepcopy(model), inputs, loss_fn=_loss)
+    result = planner.optimize(budget_gb=hand / 2**30)
+    assert any(s.first_module.startswith("encoder.blocks") for s in result.plan.segments)
+    assert_same_step(expected, train_step(result, inputs, loss_fn=_loss))
+
+
+def test_where_export_fails_too_the_leaf_stands_and_the_plan_says_what_it_hides(monkeypatch):
+    """When torch.export cannot take the model either, the fx capture is planned: its plan
+    notes the blocks the leaf hides, and it trains exactly as eager."""
+    from autockpt.planning import routes
+
+    real = routes.capture
+
+    def no_export(*args, **kwargs):
+        if kwargs.get("method") == "export":
+            raise RuntimeError("export refused")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(routes, "capture", no_export)
+    torch.manual_seed(0)
+    model = Speech().train()
+    model.encoder = ShapeBranchingEncoder(16, 256, 64, 4)
+    inputs = (torch.randn(4, 16, 256), torch.randint(0, 20_000, (4, 4)))
+    planner = quiet_planner(model, inputs, loss_fn=_loss, cache=False)
+    assert planner.capture.method == "fx+leaves"
+    result = planner.optimize(budget_gb=planner.no_checkpoint_peak_bytes / 2**30)
+    assert any("cannot be checkpointed one by one" in n for n in result.plan.notes)
+    expected = train_step(copy.deepcopy(model), inputs, loss_fn=_loss)
+    assert_same_step(expected, train_step(result, inputs, loss_fn=_loss))
