@@ -281,7 +281,8 @@ def test_a_sweep_of_compiled_plans_in_one_process_stays_within_every_budget(
     budget at the end, after every later call compiled more candidates (dynamo's recompile
     limit must not leave a partition-only result running eagerly, which keeps everything)."""
     model, example = small_gpt
-    peaks = [_knob_peak(model, example, f) for f in (0.1, 0.3, 0.5)]
+    # two points: the first result is measured after the second call compiled more
+    peaks = [_knob_peak(model, example, f) for f in (0.1, 0.5)]
     if partitions_fastest:  # the clock a stand-in: compile's partitions handed back
         _partitions_fastest(monkeypatch)
     compiled = torch.compile(model, backend=BACKEND)
