@@ -231,7 +231,8 @@ def cache_size() -> int:
 
 MAX_CAPTURES = 2
 """Export captures kept at most. Each holds its graph's nodes and their fake values (no
-storage) and refers to the model's own parameters, which the model holds anyway."""
+storage) and refers to the model's own parameter and buffer objects (no copies), which the
+model holds anyway; a submodule the user replaces since is held until the entry goes."""
 
 _captures: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Capture]] = OrderedDict()
 
