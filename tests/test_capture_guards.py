@@ -392,6 +392,10 @@ def test_a_leaf_that_hides_blocks_is_captured_by_export_and_planned_per_block():
     result = planner.optimize(budget_gb=hand / 2**30)
     assert any(s.first_module.startswith("encoder.blocks") for s in result.plan.segments)
     assert_same_step(expected, train_step(result, inputs, loss_fn=_loss))
+    # the export graph keeps the batch dynamic: a smaller batch runs as eager does
+    small = (torch.randn(3, 16, 256), torch.randint(0, 20_000, (3, 4)))
+    expected = train_step(copy.deepcopy(model), small, loss_fn=_loss)
+    assert_same_step(expected, train_step(result, small, loss_fn=_loss))
 
 
 def test_where_export_fails_too_the_leaf_stands_and_the_plan_says_what_it_hides(monkeypatch):
