@@ -86,8 +86,68 @@ class Reused:
     its minimum from the start, never the smaller prediction again."""
 
 
-_entries: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Reused]] = OrderedDict()
 _lock = threading.RLock()
+
+
+class _Kept:
+    """Values kept per key for one model object: by weak reference to the model (an entry
+    goes when its model is garbage-collected), at most ``limit`` of them (least recently
+    used first out). The one mechanism both the preparations and the captures use."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._entries: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Any]] = OrderedDict()
+
+    def get(self, model: nn.Module, found: Hashable | None) -> Any | None:
+        """The value for ``found`` when it was kept for this very model object."""
+        if found is None:
+            return None
+        with _lock:
+            entry = self._entries.get(found)
+            if entry is None or entry[0]() is not model:
+                return None
+            self._entries.move_to_end(found)
+            return entry[1]
+
+    def put(self, model: nn.Module, found: Hashable | None, value: Any) -> None:
+        """Keep ``value`` for ``found`` and ``model``."""
+        if found is None:
+            return
+        entries = self._entries
+
+        def forget(ref: weakref.ref[nn.Module]) -> None:
+            with _lock:
+                if found in entries and entries[found][0] is ref:
+                    del entries[found]
+
+        with _lock:
+            entries[found] = (weakref.ref(model, forget), value)
+            entries.move_to_end(found)
+            while len(entries) > self.limit:
+                entries.popitem(last=False)
+
+    def update(self, model: nn.Module, found: Hashable | None, change: Any) -> None:
+        """Replace the value kept for ``found`` and ``model`` by ``change(value)`` (``None``:
+        leave it), if it is still kept."""
+        if found is None:
+            return
+        with _lock:
+            entry = self._entries.get(found)
+            if entry is not None and entry[0]() is model:
+                changed = change(entry[1])
+                if changed is not None:
+                    self._entries[found] = (entry[0], changed)
+
+    def clear(self) -> None:
+        with _lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        with _lock:
+            return len(self._entries)
+
+
+_entries = _Kept(MAX_ENTRIES)
 
 
 class _Uncacheable(Exception):
@@ -155,76 +215,56 @@ def _state(model: nn.Module, inputs: Inputs, precision: Precision | None) -> tup
 
 def cached(model: nn.Module, found: Hashable | None) -> Reused | None:
     """The entry for ``found`` when it was made for this very model object."""
-    if found is None:
-        return None
-    with _lock:
-        entry = _entries.get(found)
-        if entry is None or entry[0]() is not model:
-            return None
-        _entries.move_to_end(found)
-        return entry[1]
+    return _entries.get(model, found)
 
 
 def keep(model: nn.Module, found: Hashable | None, reused: Reused) -> None:
     """Keep ``reused`` for ``found``, dropping the least recently used beyond
     :data:`MAX_ENTRIES`; the entry goes when ``model`` is garbage-collected."""
-    if found is None:
-        return
-
-    def forget(ref: weakref.ref[nn.Module]) -> None:
-        with _lock:
-            if found in _entries and _entries[found][0] is ref:
-                del _entries[found]
-
-    with _lock:
-        _entries[found] = (weakref.ref(model, forget), reused)
-        _entries.move_to_end(found)
-        while len(_entries) > MAX_ENTRIES:
-            _entries.popitem(last=False)
+    _entries.put(model, found, reused)
 
 
 def remember_as_written(model: nn.Module, found: Hashable | None, shift: int | None) -> None:
     """Add the as-written shift to the entry for ``found``, if it is still kept for
     ``model`` (an entry made without it, before a plan asked for it)."""
-    if found is None:
-        return
-    with _lock:
-        entry = _entries.get(found)
-        if entry is not None and entry[0]() is model and not entry[1].as_written_known:
-            known = dataclasses.replace(entry[1], as_written_shift=shift, as_written_known=True)
-            _entries[found] = (entry[0], known)
+    _entries.update(
+        model,
+        found,
+        lambda kept: (
+            None
+            if kept.as_written_known
+            else dataclasses.replace(kept, as_written_shift=shift, as_written_known=True)
+        ),
+    )
 
 
 def remember_leanest_measured(model: nn.Module, found: Hashable | None, measured: int) -> None:
     """Keep the leanest plan's measured peak with the entry for ``found`` (kept for
     ``model``): the largest measured, so a later planner never states less."""
-    if found is None:
-        return
-    with _lock:
-        entry = _entries.get(found)
-        if entry is None or entry[0]() is not model:
-            return
-        known = entry[1].leanest_measured_bytes
-        if known is None or measured > known:
-            kept = dataclasses.replace(entry[1], leanest_measured_bytes=measured)
-            _entries[found] = (entry[0], kept)
+    _entries.update(
+        model,
+        found,
+        lambda kept: (
+            None
+            if kept.leanest_measured_bytes is not None and measured <= kept.leanest_measured_bytes
+            else dataclasses.replace(kept, leanest_measured_bytes=measured)
+        ),
+    )
 
 
 def clear_cache(*, stored: bool = False) -> None:
     """Forget every kept preparation and capture (``autockpt.clear_cache()``); with ``stored``, also
     delete the node times stored on this machine (NOTE [timing: stored]): the next plan of
     each model measures them again."""
-    with _lock:
-        _entries.clear()
-        _captures.clear()
+    _entries.clear()
+    _captures.clear()
     if stored:
         clear_store()
 
 
 def cache_size() -> int:
     """How many preparations are kept now (:func:`captures_kept`: how many captures)."""
-    with _lock:
-        return len(_entries)
+    return len(_entries)
 
 
 # -- the captured graph (NOTE [cache: captured graph]) -----------------------------------
@@ -234,7 +274,7 @@ MAX_CAPTURES = 2
 storage) and refers to the model's own parameter and buffer objects (no copies), which the
 model holds anyway; a submodule the user replaces since is held until the entry goes."""
 
-_captures: OrderedDict[Hashable, tuple[weakref.ref[nn.Module], Capture]] = OrderedDict()
+_captures = _Kept(MAX_CAPTURES)
 
 
 def capture_key(model: nn.Module, inputs: Inputs, request: Request) -> Hashable | None:
@@ -275,38 +315,19 @@ def capture_key(model: nn.Module, inputs: Inputs, request: Request) -> Hashable 
 
 def captured_before(model: nn.Module, found: Hashable | None) -> Capture | None:
     """The export capture kept for ``found`` when it was made of this very model object."""
-    if found is None:
-        return None
-    with _lock:
-        entry = _captures.get(found)
-        if entry is None or entry[0]() is not model:
-            return None
-        _captures.move_to_end(found)
-        return entry[1]
+    return _captures.get(model, found)
 
 
 def keep_capture(model: nn.Module, found: Hashable | None, captured: Capture) -> None:
     """Keep an export capture for ``found`` (at most :data:`MAX_CAPTURES`, least recently
     used first out; the entry goes when ``model`` is garbage-collected)."""
-    if found is None or captured.method != "export":
-        return
-
-    def forget(ref: weakref.ref[nn.Module]) -> None:
-        with _lock:
-            if found in _captures and _captures[found][0] is ref:
-                del _captures[found]
-
-    with _lock:
-        _captures[found] = (weakref.ref(model, forget), captured)
-        _captures.move_to_end(found)
-        while len(_captures) > MAX_CAPTURES:
-            _captures.popitem(last=False)
+    if captured.method == "export":
+        _captures.put(model, found, captured)
 
 
 def captures_kept() -> int:
     """How many captures are kept now."""
-    with _lock:
-        return len(_captures)
+    return len(_captures)
 
 
 _PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
@@ -462,9 +483,4 @@ def remember_profile(model: nn.Module, found: Hashable | None, profile: Profile)
     """Replace the profile of the entry for ``found`` (kept for ``model``) with ``profile``:
     the same node seconds, with step factors measured since (NOTE [timing: step
     factors])."""
-    if found is None:
-        return
-    with _lock:
-        entry = _entries.get(found)
-        if entry is not None and entry[0]() is model:
-            _entries[found] = (entry[0], dataclasses.replace(entry[1], profile=profile))
+    _entries.update(model, found, lambda kept: dataclasses.replace(kept, profile=profile))
