@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import json
 import logging
 import time
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ import autockpt
 from autockpt.api import Planner
 from autockpt.errors import GIB, gib_up
 from autockpt.plan import Plan
-from autockpt.planning.cache import MAX_ENTRIES, cache_size
 from autockpt.rewrite import segments_of
 from autockpt_zoo.toy import ZOO
 from solvers.search import recompute_seconds
@@ -387,19 +384,6 @@ def test_a_changed_model_inputs_or_options_never_reuse_a_stale_profile(monkeypat
         assert plan() == 16
     assert plan(probe=False) == 17 and plan(probe=False) == 18  # shapes alone: not kept
     assert plan(cache=False) == 19
-
-
-def test_the_cache_is_bounded_and_keeps_no_model_alive():
-    autockpt.clear_cache()
-    models = [_mlp() for _ in range(MAX_ENTRIES + 2)]
-    for model in models:
-        quiet_planner(model, torch.randn(4, 32))
-    assert cache_size() == MAX_ENTRIES
-    last = weakref.ref(models[-1])
-    del models, model
-    gc.collect()
-    assert last() is None and cache_size() == 0
-    autockpt.clear_cache()
 
 
 def test_a_budget_below_the_static_part_is_refused_before_profiling(monkeypatch):

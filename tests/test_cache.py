@@ -15,7 +15,7 @@ from torch import nn
 import autockpt
 from autockpt.errors import GIB
 from autockpt.planning import routes
-from autockpt.planning.cache import MAX_CAPTURES, captures_kept
+from autockpt.planning.cache import MAX_CAPTURES, MAX_ENTRIES, cache_size, captures_kept
 from tests.conftest import assert_same_step, budget_between, quiet_planner, train_step
 
 
@@ -127,15 +127,16 @@ def test_what_the_forward_branches_on_captures_again_and_trains_like_eager(captu
     assert_same_step(train_step(model, x), train_step(fitted, x))
 
 
-def test_captures_are_bounded_and_keep_no_model_alive(captures):
-    models = [Branchy() for _ in range(MAX_CAPTURES + 1)]
+def test_both_stores_are_bounded_and_keep_no_model_alive(captures):
+    """The preparations and the captures (one store each, autockpt/planning/cache.py)."""
+    models = [Branchy() for _ in range(max(MAX_ENTRIES, MAX_CAPTURES) + 1)]
     for model in models:
         quiet_planner(model, torch.randn(4, 32))
-    assert captures_kept() == MAX_CAPTURES
+    assert cache_size() == MAX_ENTRIES and captures_kept() == MAX_CAPTURES
     last = weakref.ref(models[-1])
     del models, model
     gc.collect()
-    assert last() is None and captures_kept() == 0
+    assert last() is None and cache_size() == 0 and captures_kept() == 0
 
 
 def test_fx_captures_are_not_kept(captures):
