@@ -28,7 +28,7 @@ and buffer objects (``state_dict()`` keys stay the same, optimizers keep working
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 
@@ -49,8 +49,14 @@ def capture(
     method: str | None = None,
     input_names: Iterable[str] | None = None,
     module_calls: Iterable[str] = (),
+    prefer_export: Callable[[nn.Module, Capture], str | None] | None = None,
 ) -> Capture:
     """Capture ``model``'s forward as an fx graph, falling back as the module docstring says.
+
+    ``prefer_export`` (with ``method`` None) judges an fx capture: a reason it gives is a
+    reason to capture with torch.export instead, as for a mostly opaque capture, keeping the
+    fx one when export fails (the planner's rule for leaves that hide repeated blocks: NOTE
+    [routes: leaves that hide blocks]).
 
     ``module_calls`` name submodules that must stay module calls on every path (FSDP units):
     fx keeps them as leaves, the export path folds their inlined calls back into one call
@@ -67,7 +73,9 @@ def capture(
     and the global generators are left as found (:func:`autockpt.base.runtime.as_found`).
     """
     with as_found(model, inputs):
-        return _capture(model, inputs, leaf_modules, method, input_names, tuple(module_calls))
+        return _capture(
+            model, inputs, leaf_modules, method, input_names, tuple(module_calls), prefer_export
+        )
 
 
 def _capture(
@@ -77,6 +85,7 @@ def _capture(
     method: str | None,
     input_names: Iterable[str] | None,
     calls: tuple[str, ...],
+    prefer_export: Callable[[nn.Module, Capture], str | None] | None = None,
 ) -> Capture:
     leaves = set(leaf_modules) | set(calls)
     _check_leaf_names(model, leaves)
@@ -85,9 +94,17 @@ def _capture(
     if method in (None, "fx", "fx+leaves"):
         result = _trace_fx_with_leaves(model, inputs, leaves, input_names)
         if isinstance(result, Capture):
+            reason = None
             if method is None and _mostly_opaque(model, result, leaves):
-                return _prefer_export(model, inputs, result, calls)
-            return result
+                reason = (
+                    f"fx would run {', '.join(result.leaf_modules)} as opaque leaves holding "
+                    "most of the parameters"
+                )
+            elif method is None and prefer_export is not None:
+                reason = prefer_export(model, result)
+            return (
+                result if reason is None else _prefer_export(model, inputs, result, calls, reason)
+            )
         fx_failure = result
         if method is not None:
             raise _trace_error(*fx_failure)
@@ -124,13 +141,13 @@ def _mostly_opaque(model: nn.Module, captured: Capture, user_leaves: set[str]) -
 
 
 def _prefer_export(
-    model: nn.Module, inputs: Inputs, fx_capture: Capture, calls: tuple[str, ...]
+    model: nn.Module, inputs: Inputs, fx_capture: Capture, calls: tuple[str, ...], reason: str
 ) -> Capture:
-    """Capture with torch.export instead of a mostly-opaque fx graph; keep the fx capture
-    when export fails too (e.g. value-dependent control flow inside the leaves)."""
+    """Capture with torch.export instead of an fx graph whose leaves hide too much
+    (``reason`` says what); keep the fx capture when export fails too (e.g. value-dependent
+    control flow inside the leaves)."""
     leaves = ", ".join(fx_capture.leaf_modules)
     try:
-        reason = f"fx would run {leaves} as opaque leaves holding most of the parameters"
         return _capture_export(model, inputs, [], reason, calls)
     except Exception as error:  # noqa: BLE001 - the fx capture still works
         why = error.reason if isinstance(error, TraceError) else type(error).__name__

@@ -70,7 +70,11 @@ def choose_route(
         phases.start("capture", "capturing the graph")
         try:
             captured = capture(
-                model, inputs, leaf_modules=request.leaves, module_calls=request.sharding.units
+                model,
+                inputs,
+                leaf_modules=request.leaves,
+                module_calls=request.sharding.units,
+                prefer_export=lambda model, fx: _hidden_blocks(model, fx, request),
             )
         except TraceError as error:
             # Before any profiling of the root: data-dependent code in the root itself
@@ -79,7 +83,6 @@ def choose_route(
             if not error.in_root_code or request.sharding.active or device.type == "meta":
                 raise
             return plan_units(model, inputs, request, error, phases, progress, plan_unit, hand_back)
-        captured = _blocks_reachable(model, inputs, request, captured)
         keep_capture(model, key, captured)  # kept before a refusal: the next budget reuses it
     graph = CapturedRoute(
         model, inputs, request, captured, phases, planning_peak, hand_back, budget_bytes
@@ -87,35 +90,25 @@ def choose_route(
     return graph if hand_back is same else CompiledRoute(graph)
 
 
-def _blocks_reachable(
-    model: nn.Module, inputs: Inputs, request: Request, captured: Capture
-) -> Capture:
-    """NOTE [routes: leaves that hide blocks]. An fx capture whose automatic leaves hold
-    repeated blocks (:func:`~autockpt.costs.blocks.blocks_inside_notes`, the one block
-    finder) is captured again by torch.export, and that graph is planned when export takes
-    it: otherwise each such leaf runs as one call, the blocks inside it can only be
-    checkpointed together, and the stated minimum may lie above checkpointing each block by
-    hand (the budget contract's "a leaf never raises the minimum above per-block"). Why
-    export reaches them: a submodule is a leaf when its code branches on something fx
-    cannot trace, and export, tracing with real sizes, takes a branch on a shape
-    (openai/whisper's attention compares a sequence length outside an assertion) as the
-    example's path, guarded for other sizes. A branch on values stays a leaf (export
-    refuses it too) and the plan says which blocks it hides. Not done when the user named
-    leaf modules (export would inline them) or on the export path already."""
-    if captured.method == "export" or request.leaf_modules:
-        return captured
+def _hidden_blocks(model: nn.Module, captured: Capture, request: Request) -> str | None:
+    """NOTE [routes: leaves that hide blocks]. Why an fx capture is to be captured again by
+    torch.export, or None: its automatic leaves hold repeated blocks
+    (:func:`~autockpt.costs.blocks.blocks_inside_notes`, the one block finder), so each
+    leaf would run as one call, its blocks could only be checkpointed together, and the
+    stated minimum may lie above checkpointing each block by hand (the budget contract's "a
+    leaf never raises the minimum above per-block"). Why export reaches them: a submodule
+    is a leaf when its code branches on something fx cannot trace, and export, tracing with
+    real sizes, takes a branch on a shape (openai/whisper's attention compares a sequence
+    length outside an assertion) as the example's path, guarded for other sizes. A branch
+    on values stays a leaf (export refuses it too: capture keeps the fx graph) and the plan
+    says which blocks it hides. Not when the user named leaf modules (export would inline
+    them)."""
+    if request.leaf_modules:
+        return None
     auto = [m for m in captured.leaf_modules if m not in request.sharding.units]
-    hidden = blocks_inside_notes(model, auto)
-    if not hidden:
-        return captured
-    try:
-        exported = capture(model, inputs, method="export", module_calls=request.sharding.units)
-    except Exception:  # noqa: BLE001 - the fx capture stands; its notes say what it hides
-        return captured
-    leaves = ", ".join(auto)
-    exported.warnings.insert(
-        0,
-        f"captured with torch.export rather than fx: fx would run {leaves} as one call "
-        "each, hiding the repeated blocks inside (NOTE [routes: leaves that hide blocks])",
+    if not blocks_inside_notes(model, auto):
+        return None
+    return (
+        f"fx would run {', '.join(auto)} as one call each, hiding the repeated blocks inside "
+        "(NOTE [routes: leaves that hide blocks])"
     )
-    return exported
