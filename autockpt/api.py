@@ -428,8 +428,9 @@ class Planner:
                 )
             """The way this model is planned (NOTE [routes: protocol])."""
         self.nested = self.route if isinstance(self.route, UnitsRoute) else None
-        """The units route, when the root's own forward cannot be captured (its submodule
-        calls are planned as units: autockpt/planning/routes/units.py)."""
+        """The units route, when the step cannot be captured whole (the root's own forward,
+        or a leaf hiding repeated blocks: its submodule calls are planned as units,
+        autockpt/planning/routes/units.py)."""
 
     def _plan_unit(self, module: nn.Module, inputs: Inputs, leaves: tuple[str, ...]) -> Planner:
         """The planner of one unit of a root planned as units (NOTE [nested: units])."""
@@ -452,8 +453,8 @@ class Planner:
             route = route.graph
         if not isinstance(route, CapturedRoute):
             raise AttributeError(
-                f"Planner.{name} is not available: the root's forward cannot be captured, so "
-                f"this planner plans its submodule calls as units ({self.nested.path}); use "
+                f"Planner.{name} is not available: {self.nested.eager}, so this planner "
+                f"plans submodule calls as units ({self.nested.path}); use "
                 "optimize(), minimum_peak_bytes and no_checkpoint_peak_bytes, or "
                 "planner.nested.planners for each unit's own planner"
             )

@@ -398,21 +398,74 @@ def test_a_leaf_that_hides_blocks_is_captured_by_export_and_planned_per_block():
     assert_same_step(expected, train_step(result, small, loss_fn=_loss))
 
 
-def test_where_export_fails_too_the_leaf_stands_and_the_plan_says_what_it_hides(monkeypatch):
-    """When torch.export cannot take the model either, the fx capture is planned: its plan
-    notes the blocks the leaf hides, and it trains exactly as eager."""
+class DroppingEncoder(AudioEncoder):
+    """LayerDrop inside a submodule: each block is skipped by a draw in the encoder's own
+    code, which neither fx (a draw it would bake in) nor torch.export (a branch on it)
+    keeps."""
 
-    def no_export(*args, **kwargs):
-        raise RuntimeError("export refused")
+    drop = 0.2
 
-    monkeypatch.setattr("autockpt.capture.front._capture_export", no_export)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x)))).permute(0, 2, 1)
+        for block in self.blocks:
+            if self.training and torch.rand([]) < self.drop:
+                continue
+            x = block(x)
+        return self.ln_post(x)
+
+
+def _no_export(*args, **kwargs):
+    raise RuntimeError("export refused")
+
+
+@pytest.mark.parametrize("encoder", ["values", "layerdrop", "export refused"])
+def test_where_export_fails_too_the_blocks_inside_the_leaf_are_planned_as_units(
+    encoder, monkeypatch
+):
+    """A leaf torch.export cannot take either (a branch on values, LayerDrop's draw, or any
+    failure) hides its blocks from the graph: the step is planned as units (the encoder's
+    own code runs eagerly, its blocks are units), so the minimum is at most each block
+    checkpointed by hand, and that budget trains as eager over steps whose draws and
+    branches differ. Before: the value branch was refused outright by the fake step, the
+    LayerDrop encoder's minimum checkpointed nothing (2.3x the hand plan)."""
+    if encoder == "export refused":
+        monkeypatch.setattr("autockpt.capture.front._capture_export", _no_export)
+    cls = {"values": BranchingEncoder, "layerdrop": DroppingEncoder}.get(
+        encoder, ShapeBranchingEncoder
+    )
     torch.manual_seed(0)
     model = Speech().train()
-    model.encoder = ShapeBranchingEncoder(16, 256, 64, 4)
+    model.encoder = cls(16, 256, 64, 4)
     inputs = (torch.randn(4, 16, 256), torch.randint(0, 20_000, (4, 4)))
+    assert capture(model, Inputs.of(inputs)).method == "fx+leaves"
+    by_hand = _each_block_by_hand(copy.deepcopy(model))
+    by_hand.encoder.drop = 0.0  # every block runs: the worst case a plan is made for
+    hand = autockpt.measure(by_hand, inputs, loss_fn=_loss, repeat=1).peak_bytes
     planner = quiet_planner(model, inputs, loss_fn=_loss, cache=False)
-    assert planner.capture.method == "fx+leaves"
-    result = planner.optimize(budget_gb=planner.no_checkpoint_peak_bytes / 2**30)
-    assert any("cannot be checkpointed one by one" in n for n in result.plan.notes)
-    expected = train_step(copy.deepcopy(model), inputs, loss_fn=_loss)
-    assert_same_step(expected, train_step(result, inputs, loss_fn=_loss))
+    assert planner.nested is not None
+    assert planner.minimum_peak_bytes <= hand < planner.no_checkpoint_peak_bytes
+    result = planner.optimize(budget_gb=hand / 2**30)
+    assert type(result) is Speech
+    assert any(u.path.startswith("encoder.blocks.") for u in result.plan.units)
+    assert "encoder kept whole" in result.plan.notes[0]
+    assert result.plan.measured_peak_bytes <= hand
+    large = (inputs[0] * 1000, inputs[1])  # the value branch's other path
+    for seed, batch in ((1, inputs), (2, inputs), (3, large)):
+        expected = train_step(copy.deepcopy(model), batch, seed=seed, loss_fn=_loss)
+        assert_same_step(expected, train_step(result, batch, seed=seed, loss_fn=_loss))
+
+
+def test_on_the_meta_device_the_leaf_stands_and_the_plan_says_what_it_hides():
+    """Units are found by running the forward, which the meta device cannot: the fx
+    capture is planned, its leaf whole, and the plan's notes name the blocks it hides."""
+    model = Speech(16, 64, 32, 3).train()
+    model.encoder = DroppingEncoder(16, 64, 32, 3)
+    model = model.to("meta")
+    inputs = (
+        torch.randn(2, 16, 64, device="meta"),
+        torch.zeros(2, 4, dtype=torch.long, device="meta"),
+    )
+    planner = quiet_planner(model, inputs, loss_fn=_loss, cache=False)
+    assert planner.nested is None and planner.capture.leaf_modules == ("encoder",)
+    plan = planner.optimize(budget_gb=planner.no_checkpoint_peak_bytes / 2**30).plan
+    assert any("cannot be checkpointed one by one" in n for n in plan.notes)

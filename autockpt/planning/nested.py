@@ -3,7 +3,10 @@
 Real models put code that neither fx nor torch.export can capture around their stack of
 layers: an input check by value (Wav2Vec2ForCTC: ``if labels.max() >= vocab_size: raise``),
 a LayerDrop loop that draws ``torch.rand([]) < p`` and branches on it (the Wav2Vec2/HuBERT
-encoder), routing on a tensor's value.
+encoder), routing on a tensor's value. The same code inside a submodule that holds the
+layers makes that submodule an fx leaf hiding them; where torch.export refuses it too, the
+step is planned the same way (NOTE [routes: leaves that hide blocks]): the leaf's code is
+descended into like the root's.
 
 NOTE [nested: units]. That code runs eagerly; the submodules it calls are planned as
 *units*:

@@ -8,7 +8,8 @@
 ``routes/compiled.py``      a model under ``torch.compile``: the captured graph's route, and
                             compile's own partitions measured beside its plan (NOTE
                             [compiled: partitioner budgets])
-``routes/units.py``         a root whose own forward cannot be captured: its submodule
+``routes/units.py``         a root whose own forward cannot be captured, or an fx leaf
+                            that hides repeated blocks where export fails too: submodule
                             calls planned as units under one budget (NOTE [nested: units])
 ==========================  ============================================================
 
@@ -57,7 +58,9 @@ def choose_route(
     """Capture ``model`` and choose how it is planned. A graph of the whole step: the
     captured graph's route (compiled over it when the model came compiled). A capture that
     fails in the root's own code (an input check, a LayerDrop loop; not when sharded or on
-    the meta device, where units cannot be found by running the forward): the units route.
+    the meta device, where units cannot be found by running the forward), or an fx capture
+    whose leaves hide repeated blocks torch.export cannot reach either (NOTE [routes: leaves
+    that hide blocks]): the units route.
     An export capture made before of the same model and inputs is reused (NOTE [cache:
     captured graph]). Called inside the caller's ``as_found`` and ``training_mode`` blocks."""
     if budget_bytes is not None:  # below the parameters alone: refused before capture
@@ -84,10 +87,43 @@ def choose_route(
                 raise
             return plan_units(model, inputs, request, error, phases, progress, plan_unit, hand_back)
         keep_capture(model, key, captured)  # kept before a refusal: the next budget reuses it
+        hidden = _leaf_hiding_blocks(model, captured, request)
+        if hidden is not None:
+            try:  # NOTE [routes: leaves that hide blocks], the second step
+                return plan_units(
+                    model, inputs, request, hidden, phases, progress, plan_unit, hand_back
+                )
+            except TraceError:
+                pass  # no submodule inside the leaves captures either: they stay whole
     graph = CapturedRoute(
         model, inputs, request, captured, phases, planning_peak, hand_back, budget_bytes
     )
     return graph if hand_back is same else CompiledRoute(graph)
+
+
+def _leaf_hiding_blocks(model: nn.Module, captured: Capture, request: Request) -> TraceError | None:
+    """NOTE [routes: leaves that hide blocks], the second step. Where torch.export refused
+    the model too (a branch on values, LayerDrop's draw inside the leaf), the fx capture's
+    leaves still hide repeated blocks: the step is planned as units instead (the units
+    route runs the root's forward eagerly and plans the submodules it and each leaf call,
+    descending through the leaf's own code), so that the minimum is at most checkpointing
+    each block by hand, measured. The error returned names the leaves and why fx keeps
+    them whole (their capture notes). None where the fx capture is planned as it is: no
+    hidden blocks, leaves the user named, or where units cannot be found by running the
+    forward (sharded, on the meta device, a plan from shapes alone): there the plan's
+    notes name the blocks each leaf hides."""
+    if captured.method != "fx+leaves" or _hidden_blocks(model, captured, request) is None:
+        return None
+    if request.sharding.active or request.device.type == "meta" or not request.probe:
+        return None
+    auto = [m for m in captured.leaf_modules if m not in request.sharding.units]
+    why = [
+        note.split("; it runs as")[0]
+        for note in captured.warnings
+        if " kept whole" in note and set(note.split(" kept whole")[0].split(", ")) & set(auto)
+    ]
+    reason = "; ".join(why) or f"{', '.join(auto)} kept whole by fx"
+    return TraceError(", ".join(auto), "", "", reason)
 
 
 def _hidden_blocks(model: nn.Module, captured: Capture, request: Request) -> str | None:
@@ -100,9 +136,10 @@ def _hidden_blocks(model: nn.Module, captured: Capture, request: Request) -> str
     is a leaf when its code branches on something fx cannot trace, and export, tracing with
     real sizes, takes a branch on a shape (openai/whisper's attention compares a sequence
     length outside an assertion) as the example's path, guarded for other sizes. A branch
-    on values stays a leaf (export refuses it too: capture keeps the fx graph) and the plan
-    says which blocks it hides. Not when the user named leaf modules (export would inline
-    them)."""
+    on values or a draw (LayerDrop) is refused by export too: capture keeps the fx graph,
+    and :func:`_leaf_hiding_blocks` plans the step as units instead, or, where it cannot,
+    the plan says which blocks each leaf hides. Not when the user named leaf modules
+    (export would inline them)."""
     if request.leaf_modules:
         return None
     auto = [m for m in captured.leaf_modules if m not in request.sharding.units]

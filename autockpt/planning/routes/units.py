@@ -1,4 +1,6 @@
-"""The units route: a root whose own forward cannot be captured (NOTE [nested: units]).
+"""The units route: a step that cannot be captured whole (NOTE [nested: units]): the root's
+own forward, or an fx leaf that hides repeated blocks where torch.export fails too (NOTE
+[routes: leaves that hide blocks]).
 
 What this route decides: which plan each unit gets (its submodule calls, found by
 autockpt/planning/nested.py) under the one budget of the whole step. Each distinct unit is
@@ -86,6 +88,8 @@ class UnitsRoute:
         measure_step: Callable[[nn.Module], Measurement],
     ) -> None:
         self.model, self.inputs, self.error = model, inputs, error
+        self.eager = runs_eagerly(error)
+        """What runs eagerly and why, for notes and messages."""
         self.hand_back: Callable[[nn.Module], nn.Module] = same
         """How a result is handed back (compiled again when the model came compiled)."""
         self.planning_peak_bytes: int | None = None
@@ -195,8 +199,8 @@ class UnitsRoute:
 
     def solve(self, budget_bytes: int, how: Solve) -> Solution:
         raise AttributeError(
-            "Planner.solve is not available: the root's forward cannot be captured, so "
-            f"this planner plans its submodule calls as units ({self.path}); use "
+            f"Planner.solve is not available: {self.eager}, so this planner plans "
+            f"submodule calls as units ({self.path}); use "
             "optimize(), minimum_peak_bytes and no_checkpoint_peak_bytes, or "
             "planner.nested.planners for each unit's own planner"
         )
@@ -333,8 +337,7 @@ class UnitsRoute:
         first = self.planners[0]
         parameters = list(self.model.parameters())
         notes = (
-            f"the root's forward cannot be captured ({self.error.location}: "
-            f"`{self.error.source_line}`) and runs eagerly; its submodule calls are planned "
+            f"{self.eager}; the submodule calls it makes are planned "
             f"as {len(self.units)} units, checkpointed whole, planned inside or left as "
             "written under the one budget of the whole step",
             *(f"unit {text}" for text in described),
@@ -473,6 +476,22 @@ def _gradient_bytes(parameters: Iterable[nn.Parameter]) -> int:
     return sum(p.nbytes for p in parameters if p.requires_grad)
 
 
+def runs_eagerly(error: TraceError) -> str:
+    """What runs eagerly in a step planned as units, and why, as a clause of a note: the
+    root's forward (its own code could not be captured), or a submodule fx keeps whole
+    that hides repeated blocks where torch.export refuses the model too (NOTE [routes:
+    leaves that hide blocks])."""
+    if error.in_root_code or not error.module:
+        return (
+            f"the root's forward cannot be captured ({error.location}: "
+            f"`{error.source_line}`) and runs eagerly"
+        )
+    return (
+        f"{error.reason}, hiding repeated blocks that neither fx nor torch.export reach, so "
+        "the root's forward runs eagerly"
+    )
+
+
 def plan_units(
     model: nn.Module,
     inputs: Inputs,
@@ -483,19 +502,20 @@ def plan_units(
     plan_unit: PlanUnit,
     hand_back: Callable[[nn.Module], nn.Module],
 ) -> UnitsRoute:
-    """The units route of a root whose own code cannot be captured (``error``, before any
-    profiling of the root): find its units, plan each distinct one with ``plan_unit``, and
-    measure the leanest choices (NOTE [nested: units])."""
+    """The units route of a step that cannot be captured whole (``error``, before any
+    profiling of the root: the root's own code, or an fx leaf that hides repeated blocks):
+    find its units, plan each distinct one with ``plan_unit``, and measure the leanest
+    choices (NOTE [nested: units]). A :class:`TraceError` when no submodule captures."""
     phases.stop()  # the failed capture; the units' planners time their own phases
+    eager = runs_eagerly(error)
     if not request.probe:
         # finding units runs the root's forward: no plan from shapes alone (fit_batch)
         raise AutockptError(
-            f"this model's forward cannot be captured ({error.location}: "
-            f"`{error.source_line}`), so it is planned as units found by running its "
-            "forward, which a plan from shapes alone (probe=False, fit_batch's sizes) "
-            "must not do: plan a given batch with autockpt.optimize instead"
+            f"{eager}, so this model is planned as units found by running its forward, "
+            "which a plan from shapes alone (probe=False, fit_batch's sizes) must not do: "
+            "plan a given batch with autockpt.optimize instead"
         ) from error
-    progress("finding the submodule calls to plan (the root's forward cannot be captured)")
+    progress(f"finding the submodule calls to plan ({eager})")
     started = time.perf_counter()
     leaves = request.leaf_modules
     found = find_units(model, inputs, leaves, error)
