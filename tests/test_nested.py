@@ -474,6 +474,60 @@ def test_a_layer_returning_objects_the_root_reads_is_descended_into():
     assert_same_step(train_step(copy.deepcopy(model), x), train_step(fast, x))
 
 
+class _Cache:
+    """A key-value cache as Hugging Face passes one to each layer: filled as the run goes."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class Cached(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.block = Block(dim)
+
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        mixed = x + sum(k.mean() for k in cache.keys) if cache.keys else x
+        out = self.block(mixed)
+        cache.keys.append(out)
+        return out
+
+
+class CachedStack(nn.Module):
+    """A root with a check by value, a frozen positional embedding on integer positions,
+    and layers that are given a cache the later layers read."""
+
+    def __init__(self, dim: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, dim)
+        self.positions = nn.Embedding(64, dim).requires_grad_(False)
+        self.layers = nn.ModuleList(Cached(dim) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().max() > 1e4:
+            raise ValueError("diverged")
+        h = self.embed(x) + self.positions(torch.arange(x.shape[1]))
+        cache = _Cache()
+        for layer in self.layers:
+            h = layer(h, cache)
+        return h
+
+
+def test_a_call_given_a_cache_is_descended_into_and_a_frozen_lookup_is_the_roots():
+    """Planned on its own after the run, a layer given the run's cache would see it full
+    (tensors of the recorded run's graph): its block is the unit instead. The frozen
+    embedding saves nothing for a backward: no unit, no loss to plan for."""
+    torch.manual_seed(0)
+    model, x = CachedStack().train(), torch.randn(4, 64, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = Planner(model, x)
+        fast = planner.optimize(budget_gb=planner.minimum_peak_bytes / GIB)
+    units = {unit.path for unit in planner.nested.units}
+    assert units == {"embed"} | {f"layers.{k}.block" for k in range(3)}
+    assert_same_step(train_step(copy.deepcopy(model), x), train_step(fast, x))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, body", [("Wav2Vec2", "wav2vec2"), ("Hubert", "hubert")])
 def test_ctc_models_are_planned_across_their_encoder_layers(name, body):

@@ -15,7 +15,10 @@ NOTE [nested: units]. That code runs eagerly; the submodules it calls are planne
    for a backward (``autockpt/rewrite/submodule.record_calls``) lists the submodules called
    from the root's own code; each that holds parameters and captures is a unit, each that
    does not capture, or whose outputs the capture would drop (an object the root reads),
-   is descended into (its own code runs eagerly too), down to :data:`_MAX_DEPTH` levels.
+   is descended into (its own code runs eagerly too), down to :data:`_MAX_DEPTH` levels, as
+   is one given an object that is not plain data (a key-value cache the rest of the run
+   fills: planned on its own, it would see another state); one that saves nothing for a
+   backward (frozen, on inputs without gradients) is the root's.
    The run draws torch's scalars at their worst case, so every LayerDrop layer is called
    and planned (the worst case, as inside captured graphs); a module the run did not call
    that holds a unit's place in another child of a container above it (an expert not routed
@@ -49,7 +52,9 @@ cannot be captured whole") gives the reasons and limits.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
+import torch
 from torch import nn
 
 from autockpt.base.inputs import Inputs
@@ -111,6 +116,8 @@ def find_units(
             module = model.get_submodule(call.path)
             if call.path in leaf_modules or not any(True for _ in module.parameters()):
                 continue  # no parameters: its activations are the root's own (measured)
+            if not _needs_a_backward(module, call.inputs):
+                continue  # frozen, on inputs without gradients: it saves nothing to recompute
             if call.count > 1:
                 notes.append(
                     f"'{call.path}' is called {call.count} times per step (a reused block or "
@@ -177,6 +184,28 @@ def _with_siblings(
     return tuple(unit for _, unit in sorted(keyed.values(), key=lambda item: item[0]))
 
 
+def _needs_a_backward(module: nn.Module, inputs: Inputs) -> bool:
+    """Whether a call saves anything for a backward: a parameter or an input tensor that
+    requires grad (a frozen positional embedding on integer positions does not; a frozen
+    block inside a stack that is trained does, through its input). A call that saves nothing
+    has nothing to checkpoint, and its planner would have no loss to plan for."""
+    return any(p.requires_grad for p in module.parameters()) or any(
+        t.requires_grad for t in inputs.tensors()
+    )
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+
+
+def _held_objects(inputs: Inputs) -> list[str]:
+    """The type names of what a recorded call is given besides tensors and plain values
+    (pytree's containers are looked into). A unit is planned on its recorded inputs after
+    the run: a mutable object there (Hugging Face's ``EncoderDecoderCache``) holds what
+    the rest of the run put in it, tensors of that run's graph included."""
+    leaves = torch.utils._pytree.tree_leaves((inputs.args, inputs.kwargs))
+    return sorted({type(v).__name__ for v in leaves if not isinstance(v, (torch.Tensor, *_PLAIN))})
+
+
 def unit_key(module: nn.Module, inputs: Inputs) -> tuple:
     """Units with equal keys share one planner and one plan: same class, call signature,
     parameter and buffer shapes, dtypes and ``requires_grad``."""
@@ -191,7 +220,15 @@ def unit_key(module: nn.Module, inputs: Inputs) -> tuple:
 def _capture_error(
     model: nn.Module, path: str, inputs: Inputs, leaf_modules: tuple[str, ...]
 ) -> str | None:
-    """Why the submodule at ``path`` does not capture (one line), or None when it does."""
+    """Why the submodule at ``path`` is not a unit (one line), or None when it is one:
+    its call is given an object that is not plain data (a key-value cache the root's later
+    calls fill), or it does not capture."""
+    held = _held_objects(inputs)
+    if held:
+        return (
+            f"'{path}': its call is given {', '.join(held)}, an object later calls may "
+            "change (a cache): planning it on its own would see another state"
+        )
     prefix = f"{path}."
     leaves = [name.removeprefix(prefix) for name in leaf_modules if name.startswith(prefix)]
     try:  # a result of optimize is planned from the user's module it was made from

@@ -87,31 +87,49 @@ def choose_route(
                 raise
             return plan_units(model, inputs, request, error, phases, progress, plan_unit, hand_back)
         keep_capture(model, key, captured)  # kept before a refusal: the next budget reuses it
-        hidden = _leaf_hiding_blocks(model, captured, request)
-        if hidden is not None:
-            try:  # NOTE [routes: leaves that hide blocks], the second step
-                return plan_units(
-                    model, inputs, request, hidden, phases, progress, plan_unit, hand_back
-                )
-            except TraceError:
-                pass  # no submodule inside the leaves captures either: they stay whole
-    graph = CapturedRoute(
-        model, inputs, request, captured, phases, planning_peak, hand_back, budget_bytes
-    )
+    hidden = _leaf_hiding_blocks(model, captured, request)
+    graph: CapturedRoute | None = None
+    try:
+        graph = CapturedRoute(
+            model, inputs, request, captured, phases, planning_peak, hand_back, budget_bytes
+        )
+    except TraceError as error:
+        if hidden is None:
+            raise
+        unsized = error  # the fake step cannot size the leaf (a branch on values)
+    if hidden is not None:  # NOTE [routes: leaves that hide blocks], the second step
+        try:
+            units = plan_units(
+                model, inputs, request, hidden, phases, progress, plan_unit, hand_back
+            )
+        except TraceError:
+            if graph is None:
+                raise unsized from None
+            units = None  # no submodule inside the leaves captures either: they stay whole
+        if graph is None or (
+            units is not None and units.minimum_peak_bytes < graph.minimum_peak_bytes
+        ):
+            return units
     return graph if hand_back is same else CompiledRoute(graph)
 
 
 def _leaf_hiding_blocks(model: nn.Module, captured: Capture, request: Request) -> TraceError | None:
     """NOTE [routes: leaves that hide blocks], the second step. Where torch.export refused
     the model too (a branch on values, LayerDrop's draw inside the leaf), the fx capture's
-    leaves still hide repeated blocks: the step is planned as units instead (the units
-    route runs the root's forward eagerly and plans the submodules it and each leaf call,
-    descending through the leaf's own code), so that the minimum is at most checkpointing
-    each block by hand, measured. The error returned names the leaves and why fx keeps
-    them whole (their capture notes). None where the fx capture is planned as it is: no
-    hidden blocks, leaves the user named, or where units cannot be found by running the
-    forward (sharded, on the meta device, a plan from shapes alone): there the plan's
-    notes name the blocks each leaf hides."""
+    leaves still hide repeated blocks: the step is also planned as units (the units route
+    runs the root's forward eagerly and plans the submodules it and each leaf call,
+    descending through the leaf's own code), and the route with the lower minimum plans
+    it. Why both: neither is leaner everywhere. A leaf whose own activations make the peak
+    gains nothing from being checkpointed whole (its recompute holds them all again: on
+    ``python -m benchmarks.leaves`` the graph's minimum is the no-checkpoint peak, the
+    units' the hand plan's), while a leaf the units cannot reach inside (Hugging Face
+    Whisper's decoder, whose layers are given a cache object) is best checkpointed whole,
+    which only the graph can (52.88 MiB there, against 53.39 MiB as units). The cost is
+    the planning of both. The error returned names the leaves and why fx keeps them whole
+    (their capture notes). None where the fx capture is planned alone: no hidden blocks,
+    leaves the user named, or where units cannot be found by running the forward (sharded,
+    on the meta device, a plan from shapes alone): there the plan's notes name the blocks
+    each leaf hides."""
     if captured.method != "fx+leaves" or _hidden_blocks(model, captured, request) is None:
         return None
     if request.sharding.active or request.device.type == "meta" or not request.probe:
