@@ -147,3 +147,28 @@ def test_a_python_draw_in_a_root_hook_is_still_seen_by_the_watch():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             capture(model, Inputs((torch.randn(8, 48),), {}))
+
+
+class KeepsLast(ShapeBranchNet):
+    """Keeps its last input in a plain attribute (and so holds a fake after a fake run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = x.detach()
+        return super().forward(x)
+
+
+def test_the_watched_forward_leaves_the_models_attributes_as_found(monkeypatch):
+    """The watch's run on fake tensors puts back what the forward set (a fake tensor left in
+    an attribute would reach export's trace): the graph is the watched export's."""
+    from autockpt.capture import export as export_path
+
+    model, x = KeepsLast(), torch.randn(8, 48)
+    once = capture(model, Inputs((x,), {}), method="export")
+    assert model.last is None
+    monkeypatch.setattr(export_path, "_watched_on_fakes", lambda *args: None)
+    twice = capture(model, Inputs((x,), {}), method="export")
+    assert once.graph_module.code == twice.graph_module.code
