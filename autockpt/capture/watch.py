@@ -29,7 +29,7 @@ import os
 import random
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,11 +118,24 @@ def _what_fx_loses(sightings: list[_Sighting]) -> str:
     return " and ".join(parts)
 
 
+_KEPT_WHOLE = " kept whole ("
+
+
 def leaf_note(modules: list[str], reason: str) -> str:
     """The note that says why ``modules`` (one or more, for one reason) run as opaque
     leaves: one node each to the planner, which cannot checkpoint inside them."""
     what = "opaque leaves" if len(modules) > 1 else "opaque leaf"
-    return f"{', '.join(modules)} kept whole ({what}): {reason}"
+    return f"{', '.join(modules)}{_KEPT_WHOLE}{what}): {reason}"
+
+
+def leaf_notes(notes: Iterable[str], leaves: Iterable[str]) -> list[str]:
+    """The notes of :func:`leaf_note` among ``notes`` that name any of ``leaves``."""
+    wanted = set(leaves)
+    return [
+        note
+        for note in notes
+        if _KEPT_WHOLE in note and set(note.split(_KEPT_WHOLE)[0].split(", ")) & wanted
+    ]
 
 
 def _leaf_note(module: str, sightings: list[_Sighting]) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 from autockpt.base.inputs import Inputs
 from autockpt.capture.captured import Capture
 from autockpt.capture.front import capture
+from autockpt.capture.watch import leaf_notes
 from autockpt.costs.blocks import blocks_inside_notes
 from autockpt.errors import TraceError
 from autockpt.planning.cache import capture_key, captured_before, keep_capture
@@ -134,14 +135,9 @@ def _leaf_hiding_blocks(model: nn.Module, captured: Capture, request: Request) -
         return None
     if request.sharding.active or request.device.type == "meta" or not request.probe:
         return None
-    auto = [m for m in captured.leaf_modules if m not in request.sharding.units]
-    why = [
-        note.split("; it runs as")[0]
-        for note in captured.warnings
-        if " kept whole" in note and set(note.split(" kept whole")[0].split(", ")) & set(auto)
-    ]
-    reason = "; ".join(why) or f"{', '.join(auto)} kept whole by fx"
-    return TraceError(", ".join(auto), "", "", reason)
+    leaves = captured.leaf_modules  # all automatic: none named, none an FSDP unit
+    reason = "; ".join(leaf_notes(captured.warnings, leaves)) or f"{', '.join(leaves)} kept whole"
+    return TraceError(", ".join(leaves), "", "", reason)
 
 
 def _hidden_blocks(model: nn.Module, captured: Capture, request: Request) -> str | None:
