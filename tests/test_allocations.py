@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from autockpt.base.allocations import StorageSet, static_bytes, storage_key
+from autockpt.base.allocations import (
+    AllocatorEvent,
+    Mark,
+    StorageSet,
+    deltas_within,
+    static_bytes,
+    storage_key,
+)
 from autockpt.base.inputs import Inputs
 from autockpt.base.runtime import fake_step
 from autockpt.measure import static_bytes as measured_static_bytes
@@ -64,3 +73,19 @@ def test_fake_twins_count_like_the_real_tensors():
     # the real tensors again, keyed by address: a view shares its base's key
     x = inputs.args[0]
     assert storage_key(x) == storage_key(x[0]) != storage_key(model.buf)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    times=st.lists(st.integers(0, 50), max_size=40),
+    bounds=st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), max_size=8),
+)
+def test_a_marks_events_are_those_within_its_ends(times, bounds) -> None:
+    """The probe's per-node windows (autockpt/costs/probe.py) take the allocator events
+    within each mark, ends included and in time order, as a scan of every event would."""
+    events = [AllocatorEvent(t, 0, k + 1, 0) for k, t in enumerate(sorted(times))]
+    stamps = [e.time_ns for e in events]
+    for start, end in bounds:
+        mark = Mark("m", min(start, end), max(start, end))
+        scanned = [e.nbytes for e in events if mark.start_ns <= e.time_ns <= mark.end_ns]
+        assert deltas_within(events, stamps, mark) == scanned

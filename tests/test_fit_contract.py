@@ -217,8 +217,10 @@ def test_cli_fit_plans_each_size_with_the_factorys_loss(tmp_path):
 
 def test_workspaces_are_carried_to_a_size_node_by_node():
     """NOTE [fit: one probe, scaled]: from one measured size a workspace grows in proportion
-    (an upper bound); from two, along their line, never below the larger value above them
-    and the smallest's value below them."""
+    (an upper bound); between two, along their line; above them all, along the line of the
+    two largest above the smallest size (which may run other kernels), never below the
+    larger value, and in proportion to the largest while only one lies above the smallest;
+    below them all, the smallest's value."""
     from autockpt.fit.estimates import per_node
 
     assert per_node({4: [100, 0, 30]}, 8) == [200, 0, 60]
@@ -226,5 +228,11 @@ def test_workspaces_are_carried_to_a_size_node_by_node():
     two = {4: [100, 300, 50], 8: [200, 340, 40]}  # growing, mostly fixed, noisy
     assert per_node(two, 8) == [200, 340, 40]
     assert per_node(two, 6) == [150, 320, 45]
-    assert per_node(two, 16) == [400, 420, 50]
+    assert per_node(two, 16) == [400, 680, 80]  # in proportion to 8: not through 4
     assert per_node(two, 2) == [100, 300, 50]
+    three = {**two, 12: [300, 380, 45]}
+    assert per_node(three, 16) == [400, 420, 50]  # the line of 8 and 12
+    # a batch of 1 that runs other kernels: the line through it would fall below 14's
+    batch_one = {1: [73728], 6: [51456]}
+    assert per_node(batch_one, 14) == per_node({6: [51456]}, 14)
+    assert per_node(batch_one, 14)[0] >= 116992  # what the probe measured at 14

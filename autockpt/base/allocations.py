@@ -16,6 +16,7 @@ elsewhere:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import sys
@@ -104,6 +105,16 @@ def marks(prof: Any, prefix: str) -> list[Mark]:
     ]
     found.sort(key=lambda mark: mark.start_ns)
     return found
+
+
+def deltas_within(events: list[AllocatorEvent], times: list[int], mark: Mark) -> list[int]:
+    """The byte deltas of the allocator ``events`` (in time order, ``times`` their
+    timestamps) that fall within ``mark``, its ends included. By bisection: a probe has two
+    marks per node, and scanning every event for each made the profile of a graph of a few
+    thousand nodes spend seconds here."""
+    first = bisect.bisect_left(times, mark.start_ns)
+    last = bisect.bisect_right(times, mark.end_ns)
+    return [event.nbytes for event in events[first:last]]
 
 
 def peak_above_start(deltas: list[int]) -> int:

@@ -27,6 +27,7 @@ from autockpt.base.allocations import (
     StorageSet,
     StorageTracker,
     allocator_events,
+    deltas_within,
     marks,
     peak_above_start,
     profiler_session,
@@ -311,9 +312,10 @@ def _probe(
     workspace: dict[str, int] = {}
     hidden: dict[str, int] = {}
     loss_real: dict[str, list[int]] = {}
+    times = [e.time_ns for e in events]
     for mark in marks(session, _PROBE_MARK):
         label = mark.name[len(_PROBE_MARK) :]
-        real = [e.nbytes for e in events if mark.start_ns <= e.time_ns <= mark.end_ns]
+        real = deltas_within(events, times, mark)
         if label in ("floss", "bloss"):
             loss_real[label] = real
         seen = tracked.get(label, [])

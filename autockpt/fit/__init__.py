@@ -18,18 +18,23 @@ planning included, so a size is planned in full only when its full prediction fi
 size not planned in full is judged by its shapes plus the workspaces of the sizes that were,
 scaled with the size: what the probe adds over the shapes (on a CPU, the backward of a
 convolution allocates one feature map per image that no operator returns) grows with the
-batch like the activations. A size is judged by an upper bound (:func:`autockpt.fit.estimates.with_workspaces`):
-a plan replayed on its shapes-alone step as a curve (the shapes' leanest, and the leanest
-of the nearest size planned in full, which steers around workspaces; the lower of the
-two), each moment raised by the workspace of the kernel that runs there, as measured where
-sizes were planned in full and carried to this size node by node (:func:`~autockpt.fit.estimates.per_node`: in
-proportion to the size from one measured size, an upper bound; along the line through two
-once there are two, since a workspace has a part that grows and a part that does not).
-What a size planned in full added to its leanest peak is not enough alone (20 bytes at
-a batch of 1 on a VGG-like stack with AdamW, whose peak is then the optimizer's step: 37
-looked 1.2 MB lighter than it was, and was probed 0.3 MB over the budget). One size above
-one planned in full, what that one added, scaled: tight, so the answer's neighbour is
-judged exactly. The probe's allocator peak is reported per size (``probe_peak_bytes``, a
+batch like the activations. A size is judged by an estimate built to lie above its plan
+(:func:`autockpt.fit.estimates.with_workspaces`): a plan replayed on its shapes-alone step
+as a curve (the shapes' leanest, and the leanest of the nearest size planned in full, which
+steers around workspaces; the lower of the two), each moment raised by the workspace of the
+kernel that runs there, as measured where sizes were planned in full and carried to this
+size node by node (:func:`~autockpt.fit.estimates.per_node`: in proportion to the size from
+one measured size, an upper bound where a workspace grows with the size; along the line
+through two once two lie above the smallest size planned, since a workspace has a part that
+grows and a part that does not, and the smallest, often a batch of 1, may run other
+kernels), plus what that model missed at the sizes planned in full, scaled (its gap there:
+allocations fake kernels miss, the loss's measured windows; 0 on a VGG-like stack). What a
+size planned in full added to its leanest peak is not enough alone (20 bytes at a batch of
+1 on a VGG-like stack with AdamW, whose peak is then the optimizer's step: 37 looked 1.2 MB
+lighter than it was, and was probed 0.3 MB over the budget), nor a floor to scale (mostly
+workspace that does not grow: the search then climbed one size planned in full at a time).
+One size above one planned in full, what that one added, scaled: tight, so the answer's
+neighbour is judged exactly. The probe's allocator peak is reported per size (``probe_peak_bytes``, a
 note if over the budget); its working set is below the leanest plan's (NOTE [profile:
 probe's working set]; CPU 3x3 convolutions: 1.29 times the budget before, 0.95 after). Why:
 on VGG19 (224 x 224, SGD, 2 GiB) the shapes alone put the largest size at 19 where 15 is the
@@ -514,7 +519,7 @@ class _Sizes:
             return shapes.minimum + scaled({below.size: added}, size, 0)
         if not full:
             return shapes.minimum
-        measured = {n: (p.ready, self.shapes[n].minimum) for n, p in full.items()}
+        measured = {n: (p.ready, self.shapes[n].ready) for n, p in full.items()}
         return max(with_workspaces(shapes.ready, size, measured), shapes.minimum)
 
     def candidates(self) -> tuple[BatchCandidate, ...]:

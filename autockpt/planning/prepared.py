@@ -243,7 +243,8 @@ def prepare(
                 target=request.target,
             )
         prof = with_written_parameters(prof, written)
-        release_freed_heap()  # the probe's real tensors are gone: so are their pages
+        if prof.probe_peak_bytes is not None:  # a probe ran real tensors, now gone: so are
+            release_freed_heap()  # their pages (a full collection costs 0.2 s: not after fakes)
         # The plan simulator: one step's allocations (fake tensors plus measured
         # workspaces), replayed under each plan; with an optimizer, one training iteration's.
         phases.start("record", "recording one step on fake tensors for the plan simulator")
