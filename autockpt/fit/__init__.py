@@ -108,7 +108,7 @@ from autockpt.base.runtime import LossFn
 from autockpt.base.target import Target
 from autockpt.costs.problem import DEFAULT_MAX_STAGES
 from autockpt.errors import AutockptError, BatchSizeError, InfeasibleBudgetError, TraceError
-from autockpt.fit.estimates import growth_per_size, scaled, with_workspaces
+from autockpt.fit.estimates import growth_per_size, model_gap, scaled, with_workspaces
 from autockpt.plan import Plan
 from autockpt.planning.request import ProgressFn, budget_or_default
 
@@ -381,6 +381,9 @@ class _Sizes:
         self.notes: list[str] = []
         self.inputs: dict[int, Inputs] = {}
         self.losses: dict[int, LossFn] = {}
+        self.gaps: dict[int, int] = {}
+        """Per size planned in full, what the workspace model missed there
+        (:func:`autockpt.fit.estimates.model_gap`)."""
         self.refused: dict[int, str] = {}
         """Sizes the model refused, with its error's first line."""
         self.limit: int | None = None
@@ -520,7 +523,10 @@ class _Sizes:
         if not full:
             return shapes.minimum
         measured = {n: (p.ready, self.shapes[n].ready) for n, p in full.items()}
-        return max(with_workspaces(shapes.ready, size, measured), shapes.minimum)
+        for n, pair in measured.items():  # each a replay: found once per size planned in full
+            if n not in self.gaps:
+                self.gaps[n] = model_gap(*pair, n)
+        return max(with_workspaces(shapes.ready, size, measured, self.gaps), shapes.minimum)
 
     def candidates(self) -> tuple[BatchCandidate, ...]:
         """Every size planned, by size: those planned in full as they were, the others by

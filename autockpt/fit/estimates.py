@@ -14,7 +14,7 @@ from autockpt.api import Planner
 from autockpt.costs.record import ACCUMULATED_GRADIENTS
 from solvers import replay
 
-__all__ = ["growth_per_size", "per_node", "scaled", "with_workspaces"]
+__all__ = ["growth_per_size", "model_gap", "per_node", "scaled", "with_workspaces"]
 
 
 def scaled(known: dict[int, int], size: int, fixed: int) -> int:
@@ -38,7 +38,10 @@ def scaled(known: dict[int, int], size: int, fixed: int) -> int:
 
 
 def with_workspaces(
-    shapes: Planner, size: int, measured: dict[int, tuple[Planner, Planner]]
+    shapes: Planner,
+    size: int,
+    measured: dict[int, tuple[Planner, Planner]],
+    gaps: dict[int, int] | None = None,
 ) -> int:
     """An estimate of the leanest peak at ``size`` (``shapes``: planned there from shapes
     alone) from the sizes planned in full, ``measured`` (size: its planner in full and its
@@ -46,7 +49,8 @@ def with_workspaces(
     shapes' step as a curve, each point raised by the workspace of the kernel that runs
     there, scaled to ``size`` (:func:`_raised_peak`, :func:`per_node`), plus every byte
     kernels save beyond their operators' results, plus what that model missed where sizes
-    were planned in full (:func:`_model_gaps`), scaled. Of two plans, the lower: the shapes'
+    were planned in full (:func:`model_gap`; ``gaps``: those already found, by size), scaled.
+    Of two plans, the lower: the shapes'
     leanest, blind to workspaces, and the nearest size's leanest, which steers around them.
 
     Why the gap and not what a size planned in full added to its leanest peak over its
@@ -78,7 +82,9 @@ def with_workspaces(
         top = max(measured)
         return shapes.minimum_peak_bytes + max(added, math.ceil(largest * max(1.0, size / top)))
     modelled = _modelled_peak(shapes, size, measured)
-    return max(modelled, shapes.minimum_peak_bytes) + scaled(_model_gaps(measured), size, 0)
+    known = gaps if gaps is not None else {}
+    found = {n: known[n] if n in known else model_gap(*measured[n], n) for n in measured}
+    return max(modelled, shapes.minimum_peak_bytes) + scaled(found, size, 0)
 
 
 def _modelled_peak(shapes: Planner, size: int, measured: dict[int, tuple[Planner, Planner]]) -> int:
@@ -96,13 +102,11 @@ def _modelled_peak(shapes: Planner, size: int, measured: dict[int, tuple[Planner
     return raised + sum(hidden)
 
 
-def _model_gaps(measured: dict[int, tuple[Planner, Planner]]) -> dict[int, int]:
-    """Per size planned in full, how far its leanest peak lies above what
-    :func:`_modelled_peak` makes of it from its own workspaces (never below 0)."""
-    return {
-        n: max(0, full.minimum_peak_bytes - _modelled_peak(shapes, n, {n: (full, shapes)}))
-        for n, (full, shapes) in measured.items()
-    }
+def model_gap(full: Planner, shapes: Planner, size: int) -> int:
+    """How far the leanest peak of a size planned in full (``full``; ``shapes``: the same
+    size from shapes alone) lies above what :func:`_modelled_peak` makes of it from its own
+    workspaces (never below 0)."""
+    return max(0, full.minimum_peak_bytes - _modelled_peak(shapes, size, {size: (full, shapes)}))
 
 
 def per_node(known: dict[int, list[int]], size: int) -> list[int]:
