@@ -58,8 +58,8 @@ def with_workspaces(
     grow (a 3x3 convolution's backward buffer, the same 4.5 MiB from a batch of 2 up on the
     VGG-like stack of ``benchmarks.fit``), so scaling it in proportion judged every size a
     few steps above the last one planned in full over the budget, and the search climbed
-    one full plan at a time (sizes 1, 4, 5, 8, 10 there, where the estimate at 10 was 17.4
-    MB and the plan 13.5). The model's own gap at the sizes it was measured at is what it
+    one full plan at a time (sizes 1, 4, 5, 8, 10 there; from 2 and 3 planned in full, the
+    floor put 10 at 17.4 MB, the model at 13.7, the plan is 13.5). The model's own gap at the sizes it was measured at is what it
     cannot see (allocations fake kernels miss, the loss's measured windows): 0 there."""
     graphs = {n: p.profile.nodes for n, (p, _) in measured.items() if p.nested is None}
     if (
