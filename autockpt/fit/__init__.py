@@ -108,7 +108,7 @@ from autockpt.base.runtime import LossFn
 from autockpt.base.target import Target
 from autockpt.costs.problem import DEFAULT_MAX_STAGES
 from autockpt.errors import AutockptError, BatchSizeError, InfeasibleBudgetError, TraceError
-from autockpt.fit.estimates import growth_per_size, model_gap, scaled, with_workspaces
+from autockpt.fit.estimates import growth_per_size, scaled, with_workspaces
 from autockpt.plan import Plan
 from autockpt.planning.request import ProgressFn, budget_or_default
 
@@ -523,9 +523,6 @@ class _Sizes:
         if not full:
             return shapes.minimum
         measured = {n: (p.ready, self.shapes[n].ready) for n, p in full.items()}
-        for n, pair in measured.items():  # each a replay: found once per size planned in full
-            if n not in self.gaps:
-                self.gaps[n] = model_gap(*pair, n)
         return max(with_workspaces(shapes.ready, size, measured, self.gaps), shapes.minimum)
 
     def candidates(self) -> tuple[BatchCandidate, ...]:

@@ -41,7 +41,7 @@ def with_workspaces(
     shapes: Planner,
     size: int,
     measured: dict[int, tuple[Planner, Planner]],
-    gaps: dict[int, int] | None = None,
+    gaps: dict[int, int],
 ) -> int:
     """An estimate of the leanest peak at ``size`` (``shapes``: planned there from shapes
     alone) from the sizes planned in full, ``measured`` (size: its planner in full and its
@@ -49,9 +49,9 @@ def with_workspaces(
     shapes' step as a curve, each point raised by the workspace of the kernel that runs
     there, scaled to ``size`` (:func:`_raised_peak`, :func:`per_node`), plus every byte
     kernels save beyond their operators' results, plus what that model missed where sizes
-    were planned in full (:func:`model_gap`; ``gaps``: those already found, by size), scaled.
-    Of two plans, the lower: the shapes'
-    leanest, blind to workspaces, and the nearest size's leanest, which steers around them.
+    were planned in full (:func:`model_gap`), scaled; ``gaps`` keeps them by size between
+    calls (each is a replay). Of two plans, the lower: the shapes' leanest, blind to
+    workspaces, and the nearest size's leanest, which steers around them.
 
     Why the gap and not what a size planned in full added to its leanest peak over its
     shapes, scaled (the floor this took before): that sum is mostly workspace that does not
@@ -59,8 +59,9 @@ def with_workspaces(
     VGG-like stack of ``benchmarks.fit``), so scaling it in proportion judged every size a
     few steps above the last one planned in full over the budget, and the search climbed
     one full plan at a time (sizes 1, 4, 5, 8, 10 there; from 2 and 3 planned in full, the
-    floor put 10 at 17.4 MB, the model at 13.7, the plan is 13.5). The model's own gap at the sizes it was measured at is what it
-    cannot see (allocations fake kernels miss, the loss's measured windows): 0 there."""
+    floor put 10 at 17.4 MB, the model at 13.7, the plan is 13.5). The model's own gap at
+    the sizes it was measured at is what it cannot see (allocations fake kernels miss, the
+    loss's measured windows): 0 there."""
     graphs = {n: p.profile.nodes for n, (p, _) in measured.items() if p.nested is None}
     if (
         shapes.nested is not None
@@ -82,8 +83,10 @@ def with_workspaces(
         top = max(measured)
         return shapes.minimum_peak_bytes + max(added, math.ceil(largest * max(1.0, size / top)))
     modelled = _modelled_peak(shapes, size, measured)
-    known = gaps if gaps is not None else {}
-    found = {n: known[n] if n in known else model_gap(*measured[n], n) for n in measured}
+    for n, (full, shapes_n) in measured.items():
+        if n not in gaps:
+            gaps[n] = model_gap(full, shapes_n, n)
+    found = {n: gaps[n] for n in measured}
     return max(modelled, shapes.minimum_peak_bytes) + scaled(found, size, 0)
 
 
