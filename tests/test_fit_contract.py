@@ -20,6 +20,7 @@ from torch import nn
 import autockpt
 from autockpt.costs import probe as probe_module
 from autockpt.errors import GIB, BatchSizeError
+from tests.conftest import quiet_planner
 
 measure_module = importlib.import_module("autockpt.measure")  # autockpt.measure: the function
 
@@ -80,40 +81,77 @@ def _fit(model, make_inputs, budget, monkeypatch, **options):
     return fit, peaks
 
 
-def _check_contract(fit, peaks: RealPeaks, budget: int) -> None:
+def _check_contract(fit, peaks: RealPeaks, budget: int, model, make_inputs, **options) -> None:
     # every real step the call ran (the answer's verification) peaked within the budget
     assert peaks.steps and max(peaks.steps) <= budget
     assert fit.plan.measured_peak_bytes is not None and fit.plan.measured_peak_bytes <= budget
-    # every size planned in full was one whose prediction fit: it fits in full too
+    # every size planned in full was one whose prediction fit, save the answer's neighbour,
+    # planned in full to settle the answer (NOTE [fit: the neighbour in full])
+    n = fit.batch_size
     full = [c for c in fit.candidates if not c.estimated]
-    assert all(c.fits for c in full), full
-    # the size above the answer was judged, and not planned in full (its prediction is over)
-    above = {c.size: c for c in fit.candidates}[fit.batch_size + 1]
-    assert not above.fits and above.estimated
+    assert all(c.fits for c in full if c.size != n + 1), full
+    above = {c.size: c for c in fit.candidates}[n + 1]
+    assert not above.fits
     assert above.shapes_minimum_bytes <= above.minimum_peak_bytes
     # one probe per size planned in full, each within the budget too (NOTE [profile:
     # probe's working set]), so no note says otherwise
     assert len(peaks.probes) == len(full)
     assert max(peaks.probes) <= budget
     assert not any("planning in full peaked above the budget" in n for n in fit.notes)
+    # the answer is exact: the size above it, planned in full on its own, does not fit
+    make_loss = options.pop("make_loss", None)
+    if make_loss is not None:
+        options["loss_fn"] = make_loss(n + 1)
+    again = quiet_planner(model, make_inputs(n + 1), **options)
+    assert again.minimum_peak_bytes > budget
 
 
 def test_vgg_like_no_size_runs_whose_prediction_is_over_the_budget(monkeypatch):
     """On convolutions the CPU backward allocates a feature map per image that no operator
     returns: shapes alone underestimate every size, so the shapes' largest size is over the
-    budget; it is corrected by the workspaces measured at the smallest size, and never
-    planned in full."""
+    budget; it is corrected by the workspaces measured at the smallest size, and not
+    planned in full unless it is the answer's neighbour (which then does not fit)."""
     model = vgg_like()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     budget = 700_000
     fit, peaks = _fit(
         model, images, budget, monkeypatch, optimizer=optimizer, make_loss=classes_loss
     )
-    _check_contract(fit, peaks, budget)
+    _check_contract(fit, peaks, budget, model, images, optimizer=optimizer, make_loss=classes_loss)
     by_size = {c.size: c for c in fit.candidates}
     # shapes alone would take a larger size than the answer
     assert any(c.shapes_minimum_bytes <= budget < c.minimum_peak_bytes for c in by_size.values())
     assert fit.batch_size >= 2
+
+
+VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M")
+VGG19 += (512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
+
+
+def test_a_budget_measured_at_a_size_is_met_at_least_at_that_size(monkeypatch):
+    """The budget is what a batch of 4 needs without checkpointing, so 4 fits whatever the
+    estimates say. A batch of 1 runs other CPU convolutions (its workspaces larger than at
+    2): estimated from it, 2 looked over the budget, and the answer was 1 (NOTE [fit: the
+    neighbour in full]: an estimate alone never settles the answer)."""
+    torch.manual_seed(0)
+    model = vgg_like(tuple(w if w == "M" else w // 4 for w in VGG19), classes=100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def inputs(n: int) -> torch.Tensor:
+        torch.manual_seed(n)
+        return torch.randn(n, 3, 32, 32)
+
+    def loss(n: int):
+        return classes_loss(n, classes=100)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        budget = autockpt.measure(
+            model, inputs(4), optimizer=optimizer, loss_fn=loss(4), repeat=0
+        ).peak_bytes
+    fit, peaks = _fit(model, inputs, budget, monkeypatch, optimizer=optimizer, make_loss=loss)
+    assert fit.batch_size >= 4
+    _check_contract(fit, peaks, budget, model, inputs, optimizer=optimizer, make_loss=loss)
 
 
 @pytest.mark.slow
@@ -140,7 +178,7 @@ def test_the_whole_call_stays_within_the_budget_on_zoo_models(name, monkeypatch)
         budget, options = 3 * 2**20, {"make_loss": classes_loss}
     optimizer = torch.optim.AdamW(model.parameters())
     fit, peaks = _fit(model, make_inputs, budget, monkeypatch, optimizer=optimizer, **options)
-    _check_contract(fit, peaks, budget)
+    _check_contract(fit, peaks, budget, model, make_inputs, optimizer=optimizer, **options)
 
 
 class _Classifier(nn.Module):
