@@ -343,7 +343,12 @@ def fit_batch(
         plan=result.plan,
         objective=objective,
         candidates=sizes.candidates(),
-        notes=(*sizes.notes, *sizes.refused_note(), *sizes.probe_note(), *sizes.unconfirmed_note()),
+        notes=(
+            *sizes.notes,
+            *sizes.refused_note(),
+            *sizes.probe_note(),
+            *sizes.unconfirmed_note(answer.size),
+        ),
         refused_sizes=dict(sorted(sizes.refused.items())),
     )
 
@@ -726,14 +731,15 @@ class _Sizes:
             fixed = top.profile.param_bytes + top.profile.buffer_bytes
         return scaled(known, size, min(fixed, min(known.values())))
 
-    def unconfirmed_note(self) -> list[str]:
+    def unconfirmed_note(self, answer: int) -> list[str]:
         """The answer's note where its neighbour was judged by an estimate alone, its probe
-        predicted over the budget (none: no note)."""
+        predicted over the budget (none: no note; a size further up does not matter)."""
         return [
             f"size {n} was judged not to fit from shapes and the workspaces measured at "
             f"other sizes ({self.predicted(n)} bytes predicted), not planned in full: {why}; "
             "the answer may be one size short"
             for n, why in sorted(self.unconfirmed.items())
+            if n == answer + self.multiple_of
         ]
 
     def _infeasible(self, planned: _Planned, *, floor: bool) -> InfeasibleBudgetError:
