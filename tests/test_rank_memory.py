@@ -485,7 +485,8 @@ def test_a_rank_holds_what_the_plan_predicts_as_measured(tmp_path, choice, segme
     six units stay gathered until each one's backward (counting two put the prediction
     4.1 MB, 12.6%, under the measured peak of this model); units kept gathered after forward are
     held until their backward; the root resharded after forward is gathered again. Each
-    rank's peak is within the prediction and the prediction within 12% of it."""
+    rank's peak is within the prediction and the prediction, less the one
+    copy the backend may free before the peak, within 12% of it."""
     from solvers.solution import Solution
     from tests.test_distributed import _spawn
 
@@ -503,4 +504,9 @@ def test_a_rank_holds_what_the_plan_predicts_as_measured(tmp_path, choice, segme
     late = sum(p.nbytes for p in model.layers[0].parameters())
     for got in _spawn(_heavy_rank, (plan.to_json(),), tmp_path):
         assert got["peak"] <= predicted + late // 2
-        assert predicted <= 1.12 * got["peak"]
+        # the backend's copy of a unit, which the prediction counts at the peak (NOTE
+        # [sharding: what a forward all-gather holds]), is made and freed on gloo's thread:
+        # on a loaded machine its life can miss the main thread's peak. Root resharded,
+        # torch 2.13, with the suite running: 24,153,152 B, one unit (2,102,272 B) under
+        # the 26,255,424 B measured alone, and 13.3% under the prediction
+        assert predicted - late <= 1.12 * got["peak"]

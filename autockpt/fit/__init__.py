@@ -701,7 +701,7 @@ class _Sizes:
         full, not refused, within ``max_batch_size``, its shapes' lower bound within the
         budget. None: settled."""
         above = low + self.multiple_of
-        if above in self.full or above in self.refused or above in self.unconfirmed:
+        if above in self.full or above in self.unconfirmed:  # refused sizes are in full
             return None
         if (self.cap is not None and above > self.cap) or (
             self.limit is not None and above >= self.limit
