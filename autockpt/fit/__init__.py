@@ -734,12 +734,13 @@ class _Sizes:
     def unconfirmed_note(self, answer: int) -> list[str]:
         """The answer's note where its neighbour was judged by an estimate alone, its probe
         predicted over the budget (none: no note; a size further up does not matter)."""
+        above = answer + self.multiple_of
+        if above not in self.unconfirmed:
+            return []
         return [
-            f"size {n} was judged not to fit from shapes and the workspaces measured at "
-            f"other sizes ({self.predicted(n)} bytes predicted), not planned in full: {why}; "
-            "the answer may be one size short"
-            for n, why in sorted(self.unconfirmed.items())
-            if n == answer + self.multiple_of
+            f"size {above} was judged not to fit from shapes and the workspaces measured at "
+            f"other sizes ({self.predicted(above)} bytes predicted), not planned in full: "
+            f"{self.unconfirmed[above]}; the answer may be one size short"
         ]
 
     def _infeasible(self, planned: _Planned, *, floor: bool) -> InfeasibleBudgetError:
