@@ -1051,6 +1051,33 @@ def test_never_worse_than_its_seeds_on_a_long_chain() -> None:
         assert cheap.recompute_seconds <= recompute_seconds(chain, seed)
 
 
+@pytest.mark.parametrize("name,max_stages", [("gpt", 160), ("resnet", 40)])
+def test_the_rungs_it_skips_would_not_change_the_answer(name: str, max_stages: int) -> None:
+    """NOTE [search: the rungs a search needs]: with every rung of dp's ladder given as a
+    seed, the leanest plan and the least-recompute plans at budgets between it and no
+    checkpointing are the ones found from the rungs the search climbs or bisects to, and
+    the search solved fewer rungs than the ladder holds."""
+    from solvers import search
+
+    chain = recorded(name, max_stages)
+    kwargs = dict(max_evaluations=300, max_nodes=200)
+    search._ladder.cache_clear()
+    lean = leanest(chain, **kwargs)
+    ladder = search._ladder(chain.problem)
+    solved = len(ladder.plans)
+    assert solved < len(ladder.rungs())
+    every = [ladder.plan(rung) for rung in ladder.rungs()]
+    assert leanest(chain, seeds=every, **kwargs).segments == lean.segments
+    eager = replay_peak(chain, [])
+    for k in (1, 3, 6):
+        budget = lean.peak_bytes + (eager - lean.peak_bytes) * k // 8
+        search._ladder.cache_clear()
+        found = least_recompute(chain, budget, seeds=[lean.segments], **kwargs)
+        assert len(search._ladder(chain.problem).plans) < len(ladder.rungs())
+        seeded = least_recompute(chain, budget, seeds=[lean.segments, *every], **kwargs)
+        assert found.segments == seeded.segments
+
+
 def test_deterministic() -> None:
     """Same inputs, same plan: twice, with the seeds in another order, on a new chain
     object (a fresh replayer)."""
