@@ -120,11 +120,29 @@ def test_what_the_forward_branches_on_captures_again_and_trains_like_eager(captu
         model.layers[0].forward = lambda inp, _l=model.layers[0]: nn.functional.linear(
             inp, _l.weight
         )
-    else:
-        x = torch.randn(6, 32)
+    else:  # a batch of 1 takes the other branch: outside the graph's dynamic range
+        x = torch.randn(1, 32)
     fitted = _optimize(model, x, 1.0)
     assert captures == ["export"] * 2
     assert_same_step(train_step(model, x), train_step(fitted, x))
+
+
+def test_another_batch_the_graph_takes_reuses_the_capture_and_plans_the_same(captures):
+    """NOTE [cache: captured graph]: export kept the batch dynamic, so a plan for another
+    batch size reuses the graph (what fit_batch's sizes do), plans what an uncached call
+    plans at that size, and trains like eager."""
+    model = Branchy()
+    quiet_planner(model, torch.randn(8, 32))
+    x = torch.randn(6, 32)
+    planner = quiet_planner(model, x)
+    assert captures == ["export"], "a size the graph takes was captured again"
+    budget = budget_between(planner, 0.5) / GIB
+    reused = _optimize(model, x, budget)
+    cold = _optimize(model, x, budget, cache=False)
+    assert captures == ["export"] * 2
+    assert reused.plan.segments == cold.plan.segments and reused.plan.segments
+    assert reused.plan.predicted_peak_bytes == cold.plan.predicted_peak_bytes
+    assert_same_step(train_step(model, x), train_step(reused, x))
 
 
 def test_both_stores_are_bounded_and_keep_no_model_alive(captures):

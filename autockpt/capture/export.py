@@ -685,7 +685,7 @@ def _input_check(
 
     def refuse(detail: str) -> None:
         raise PlanMismatchError(
-            f"this optimized model was planned for inputs {planned} and {specialised} "
+            f"this optimized model's graph was captured for inputs {planned} and {specialised} "
             f"({detail}); give inputs of the planned shape there (e.g. drop_last=True, "
             "padding to the planned length) or plan again for this one"
         )
@@ -721,6 +721,22 @@ def _input_check(
                 refuse(str(error))
 
     return check_inputs
+
+
+def takes_inputs(captured: Capture, inputs: Inputs) -> bool:
+    """Whether an export capture's graph runs ``inputs`` as the model would: its batch or
+    sequence sizes are dynamic (:attr:`Capture.dynamic_dims`) and its input check takes them
+    (dtypes, ranks, fixed sizes, each dynamic size's range and export's own guards). The
+    same check the optimized model runs before every call, so a graph that takes them
+    here is the graph a plan's model runs them through."""
+    check = captured.extra_attributes.get(INPUT_CHECK)
+    if captured.method != "export" or not captured.dynamic_dims or check is None:
+        return False
+    try:
+        check(inputs.args, inputs.kwargs)
+    except PlanMismatchError:
+        return False
+    return True
 
 
 _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))

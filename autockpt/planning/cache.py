@@ -58,6 +58,7 @@ from autockpt.base.inputs import Inputs
 from autockpt.base.precision import Precision
 from autockpt.base.runtime import is_unusual
 from autockpt.capture.captured import Capture
+from autockpt.capture.export import takes_inputs
 from autockpt.costs.profile import Profile
 from autockpt.costs.timing import clear_store
 from autockpt.planning.request import Request
@@ -184,10 +185,13 @@ def cache_key(
     return found
 
 
-def _state(model: nn.Module, inputs: Inputs, precision: Precision | None) -> tuple[Any, ...]:
+def _state(
+    model: nn.Module, inputs: Inputs, precision: Precision | None, *, sizes: bool = True
+) -> tuple[Any, ...]:
     """The part of a key that describes the model, the inputs and how the step runs: the
     model object (by ``id``), its tensors (and how they share storage), its modules, the
-    inputs, the precision and the kernel switches. Raises what :func:`cache_key` catches."""
+    inputs (without ``sizes``: each input tensor by its kind and rank alone), the precision
+    and the kernel switches. Raises what :func:`cache_key` catches."""
     tensors = [
         *(p for _, p in model.named_parameters(remove_duplicate=False)),
         *(b for _, b in model.named_buffers(remove_duplicate=False)),
@@ -207,7 +211,10 @@ def _state(model: nn.Module, inputs: Inputs, precision: Precision | None) -> tup
             for name, m in model.named_modules(remove_duplicate=False)
         ),
         str(spec),
-        tuple(_input(leaf) for leaf in leaves),
+        tuple(
+            _input(leaf) if sizes or not isinstance(leaf, torch.Tensor) else _kind(leaf)
+            for leaf in leaves
+        ),
         precision,
         _switches(),
     )
@@ -277,7 +284,15 @@ model holds anyway; a submodule the user replaces since is held until the entry 
 _captures = _Kept(MAX_CAPTURES)
 
 
-def capture_key(model: nn.Module, inputs: Inputs, request: Request) -> Hashable | None:
+@dataclass(frozen=True)
+class CaptureKey:
+    """NOTE [cache: captured graph]: a capture's key, with and without the inputs' sizes."""
+
+    exact: Hashable
+    sizeless: Hashable
+
+
+def capture_key(model: nn.Module, inputs: Inputs, request: Request) -> CaptureKey | None:
     """NOTE [cache: captured graph]. The key of one capture, or None (not kept).
 
     Why a capture is kept at all: on a large graph ``torch.export`` takes most of planning
@@ -295,34 +310,54 @@ def capture_key(model: nn.Module, inputs: Inputs, request: Request) -> Hashable 
     ``forward`` set on the instance (a wrapper's), and the grad mode. What it still cannot
     see (a global the forward reads, an object attribute of another kind) is why
     ``cache=False`` and ``autockpt.clear_cache()`` exist: after such a change, a kept
-    graph would run the old code."""
+    graph would run the old code.
+
+    Why a capture is also found for inputs of other sizes (the ``sizeless`` key): export
+    keeps batch and sequence sizes dynamic where it can, and its graph then runs every
+    size its input check takes; that is how the optimized model runs other batches. So
+    :func:`captured_before` hands it to inputs of other sizes it takes (fit_batch plans
+    many sizes of one model: a tiny Hugging Face GPT-2 spent 36 s of an 82 s fit_batch in
+    five captures of one graph), and a size it does not take is captured anew."""
     if not request.cache:
         return None
     try:
-        found = (
-            *_state(model, inputs, request.precision),
-            _code_state(model),
-            torch.is_grad_enabled(),
-            request.leaves,
-            request.sharding.units,
-            request.target,  # a meta model is traced as the target's device
-        )
-        hash(found)
+        found = [
+            (
+                *_state(model, inputs, request.precision, sizes=sizes),
+                _code_state(model),
+                torch.is_grad_enabled(),
+                request.leaves,
+                request.sharding.units,
+                request.target,  # a meta model is traced as the target's device
+            )
+            for sizes in (True, False)
+        ]
+        key = CaptureKey(*found)
+        hash(key)
     except (_Uncacheable, TypeError, RuntimeError, NotImplementedError):
         return None
-    return found
+    return key
 
 
-def captured_before(model: nn.Module, found: Hashable | None) -> Capture | None:
-    """The export capture kept for ``found`` when it was made of this very model object."""
-    return _captures.get(model, found)
+def captured_before(model: nn.Module, key: CaptureKey | None, inputs: Inputs) -> Capture | None:
+    """The export capture kept for ``key`` when it was made of this very model object: for
+    the same inputs, or for inputs of other sizes that its graph takes (NOTE [cache:
+    captured graph])."""
+    kept = _captures.get(model, None if key is None else key.sizeless)
+    if kept is None:
+        return None
+    captured, made_for = kept
+    if made_for == key.exact or takes_inputs(captured, inputs):
+        return captured
+    return None
 
 
-def keep_capture(model: nn.Module, found: Hashable | None, captured: Capture) -> None:
-    """Keep an export capture for ``found`` (at most :data:`MAX_CAPTURES`, least recently
-    used first out; the entry goes when ``model`` is garbage-collected)."""
-    if captured.method == "export":
-        _captures.put(model, found, captured)
+def keep_capture(model: nn.Module, key: CaptureKey | None, captured: Capture) -> None:
+    """Keep an export capture for ``key`` (at most :data:`MAX_CAPTURES`, least recently
+    used first out; the entry goes when ``model`` is garbage-collected), in place of one
+    kept for inputs of other sizes."""
+    if captured.method == "export" and key is not None:
+        _captures.put(model, key.sizeless, (captured, key.exact))
 
 
 def captures_kept() -> int:
@@ -392,6 +427,11 @@ def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
         str(t.device),
         t.requires_grad,
     )
+
+
+def _kind(t: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor without its sizes: what a graph that takes other sizes still fixes."""
+    return (type(t), str(t.layout), t.dim(), t.dtype, str(t.device), t.requires_grad)
 
 
 def _sharing(tensors: list[torch.Tensor]) -> tuple[tuple[int, int], ...]:

@@ -67,7 +67,7 @@ def choose_route(
     if budget_bytes is not None:  # below the parameters alone: refused before capture
         refuse_below_floor(model, inputs, None, request, budget_bytes)
     key = capture_key(model, inputs, request)
-    captured = captured_before(model, key)  # NOTE [cache: captured graph]
+    captured = captured_before(model, key, inputs)  # NOTE [cache: captured graph]
     if captured is not None:
         phases.start("capture", "reusing the captured graph (autockpt.clear_cache())")
     else:
