@@ -61,6 +61,7 @@ from autockpt.demo import (  # noqa: E402
     largest_by_measuring,
 )
 from autockpt.errors import GIB  # noqa: E402
+from autockpt_zoo.hf import gpt2 as hf_gpt2  # noqa: E402
 from autockpt_zoo.toy import block_stack, gpt  # noqa: E402
 from benchmarks.planning import hf_gpt2_124m  # noqa: E402
 
@@ -85,6 +86,12 @@ def _models(quick: bool) -> list[Model]:
             lambda n: block_stack(blocks=16, width=128, batch=n),
             1024 if quick else 2048,
             "activation-dominated: 16 blocks Linear(128->256)->ReLU->Linear, rows of 128",
+        ),
+        Model(
+            "hf_gpt2_small",
+            lambda n: hf_gpt2(layers=4, hidden=128, heads=4, batch=n, seq_len=128),
+            4,
+            "Hugging Face GPT2LMHeadModel, 4 layers, width 128, sequence 128 (torch.export)",
         ),
     ]
     if not quick:
