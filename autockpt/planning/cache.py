@@ -321,18 +321,19 @@ def capture_key(model: nn.Module, inputs: Inputs, request: Request) -> CaptureKe
     if not request.cache:
         return None
     try:
-        found = [
-            (
-                *_state(model, inputs, request.precision, sizes=sizes),
-                _code_state(model),
-                torch.is_grad_enabled(),
-                request.leaves,
-                request.sharding.units,
-                request.target,  # a meta model is traced as the target's device
+        rest = (
+            _code_state(model),
+            torch.is_grad_enabled(),
+            request.leaves,
+            request.sharding.units,
+            request.target,  # a meta model is traced as the target's device
+        )
+        key = CaptureKey(
+            *(
+                (*_state(model, inputs, request.precision, sizes=sizes), *rest)
+                for sizes in (True, False)
             )
-            for sizes in (True, False)
-        ]
-        key = CaptureKey(*found)
+        )
         hash(key)
     except (_Uncacheable, TypeError, RuntimeError, NotImplementedError):
         return None
