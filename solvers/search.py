@@ -392,7 +392,7 @@ def _seed_plans(
     if problem is not None:
         ladder = _ladder(problem)
         if budget is None:
-            plans.update(_leanest_rungs(ladder, search))
+            plans.update(_leanest_rungs(search, ladder))
         else:
             plans.update(_budget_rungs(search, ladder, budget))
     ordered = sorted(plans)
@@ -401,7 +401,7 @@ def _seed_plans(
     return ordered
 
 
-def _leanest_rungs(ladder: _Ladder, search: _Search) -> list[Plan]:
+def _leanest_rungs(search: _Search, ladder: _Ladder) -> list[Plan]:
     """NOTE [search: the rungs a search needs]. dp's plans from the lowest rung up, until
     :data:`_LEANEST_PATIENCE` rungs in a row replay no leaner than the leanest rung before
     them. Why not the whole ladder: each rung costs one dp solve (0.3 s on the zoo GPT's
@@ -436,32 +436,31 @@ def _budget_rungs(search: _Search, ladder: _Ladder, budget: int) -> list[Plan]:
     rungs = ladder.rungs()
     found: list[Plan] = []
 
-    def fits(index: int) -> bool:
-        plan = ladder.plan(rungs[index])
+    def fits(proxy_budget: int) -> bool:
+        plan = ladder.plan(proxy_budget)
         found.append(plan)
         return search.peak(plan, counted=False) <= budget
 
-    low, high = -1, len(rungs)  # rungs[low] fits (or none does), rungs[high] does not
-    while high - low > 1:
+    # rungs[low] fits (or, at -1, none does), rungs[high] does not (or, past the end, none)
+    low = _highest_fitting(-1, len(rungs), lambda index: fits(rungs[index]), len(rungs))
+    if 0 <= low < len(rungs) - 1:
+        # the cheapest dp plan the replay accepts, between that rung and the next
+        _highest_fitting(rungs[low], rungs[low + 1], fits, _DP_BISECTIONS)
+    return found
+
+
+def _highest_fitting(low: int, high: int, fits: Callable[[int], bool], steps: int) -> int:
+    """Bisection, at most ``steps`` halvings, for the highest integer in ``[low, high)``
+    that ``fits``, given that ``low`` fits (or stands for none) and ``high`` does not."""
+    for _ in range(steps):
+        if high - low <= 1:
+            break
         middle = (low + high) // 2
         if fits(middle):
             low = middle
         else:
             high = middle
-    if 0 <= low < len(rungs) - 1:
-        # Bisection on the proxy budget for the cheapest dp plan the replay accepts.
-        below, above = rungs[low], rungs[low + 1]
-        for _ in range(_DP_BISECTIONS):
-            middle = (below + above) // 2
-            if middle in (below, above):
-                break
-            plan = ladder.plan(middle)
-            found.append(plan)
-            if search.peak(plan, counted=False) <= budget:
-                below = middle
-            else:
-                above = middle
-    return found
+    return low
 
 
 # ---------------------------------------------------------------------------------------------

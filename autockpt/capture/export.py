@@ -730,7 +730,7 @@ def takes_inputs(captured: Capture, inputs: Inputs) -> bool:
     same check the optimized model runs before every call, so a graph that takes them
     here is the graph a plan's model runs them through."""
     check = captured.extra_attributes.get(INPUT_CHECK)
-    if captured.method != "export" or not captured.dynamic_dims or check is None:
+    if not captured.dynamic_dims or check is None:
         return False
     try:
         check(inputs.args, inputs.kwargs)

@@ -344,7 +344,7 @@ def captured_before(model: nn.Module, key: CaptureKey | None, inputs: Inputs) ->
     """The export capture kept for ``key`` when it was made of this very model object: for
     the same inputs, or for inputs of other sizes that its graph takes (NOTE [cache:
     captured graph])."""
-    kept = _captures.get(model, None if key is None else key.sizeless)
+    kept = None if key is None else _captures.get(model, key.sizeless)
     if kept is None:
         return None
     captured, made_for = kept
